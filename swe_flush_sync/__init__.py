@@ -1,0 +1,42 @@
+"""swe_flush_sync: flush every agent session-server instance in parallel, within a deadline.
+
+A blocking, thread-based twin of the training framework's async abort hook. One line in a
+training script::
+
+    from swe_flush_sync import abort
+    report = abort(args)  # ids from args, servers and secret from the environment
+
+See ``Flusher`` for a reusable flusher, ``flush`` for a one-shot call, and
+``flush_on_signal`` / ``flush_at_exit`` / ``abort_async`` for the lifecycle hooks.
+"""
+
+import logging
+
+from ._errors import ConfigError, FlushError, FlushFailed
+from ._flusher import DEFAULT_DEADLINE, Flusher, flush
+from ._lifecycle import ExitHook, SignalHook, abort, abort_async, flush_at_exit, flush_on_signal
+from ._report import FlushReport, FlushResult
+from ._resolve import resolve_instance_ids, resolve_server_urls
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_DEADLINE",
+    "ConfigError",
+    "ExitHook",
+    "FlushError",
+    "FlushFailed",
+    "FlushReport",
+    "FlushResult",
+    "Flusher",
+    "SignalHook",
+    "abort",
+    "abort_async",
+    "flush",
+    "flush_at_exit",
+    "flush_on_signal",
+    "resolve_instance_ids",
+    "resolve_server_urls",
+]
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())

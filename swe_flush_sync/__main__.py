@@ -1,0 +1,7 @@
+"""``python -m swe_flush_sync``: the ``swe-flush`` command line."""
+
+import sys
+
+from ._cli import main
+
+sys.exit(main())

@@ -1,0 +1,106 @@
+"""What a flush did: one ``FlushResult`` per (server, instance) pair, gathered in a ``FlushReport``."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ._errors import FlushFailed
+
+_SHOWN_FAILURES = 3
+
+
+@dataclass(frozen=True, slots=True)
+class FlushResult:
+    """The outcome of flushing one instance id on one agent server.
+
+    Attributes:
+        server_url: the agent server (never with credentials).
+        instance_id: the session-server instance id flushed.
+        ok: True when the server answered 2xx.
+        status_code: the last HTTP status received, None if no answer came.
+        cancelled: trials the server reported cancelled; None if it did not say.
+        attempts: HTTP attempts actually made (0 if the pair was never sent).
+        elapsed: seconds spent on this pair.
+        error: why it failed, None when ok.
+    """
+
+    server_url: str
+    instance_id: str
+    ok: bool
+    status_code: int | None = None
+    cancelled: int | None = None
+    attempts: int = 0
+    elapsed: float = 0.0
+    error: str | None = None
+
+    def __str__(self) -> str:
+        outcome = f"cancelled={self.cancelled}" if self.ok else f"failed: {self.error}"
+        return f"{self.instance_id} @ {self.server_url}: {outcome}"
+
+
+@dataclass(frozen=True, slots=True)
+class FlushReport:
+    """Everything one flush call did.
+
+    Attributes:
+        results: one ``FlushResult`` per (url, id) pair, URL-major in the order given.
+        elapsed: wall seconds the call took.
+        error: a problem that stopped the flush before any pair ran (bad configuration in
+            ``abort``), else None.
+
+    Example:
+        >>> report = FlushReport(results=(), elapsed=0.0)
+        >>> report.ok, report.cancelled
+        (True, 0)
+    """
+
+    results: tuple[FlushResult, ...] = ()
+    elapsed: float = 0.0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True when every pair flushed and there was no error (also when there was nothing to do)."""
+        return self.error is None and all(result.ok for result in self.results)
+
+    @property
+    def failed(self) -> tuple[FlushResult, ...]:
+        """The results that did not flush."""
+        return tuple(result for result in self.results if not result.ok)
+
+    @property
+    def cancelled(self) -> int:
+        """Total trials the servers reported cancelled."""
+        return sum(result.cancelled or 0 for result in self.results)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict of the report, with its derived fields."""
+        return {
+            "ok": self.ok,
+            "elapsed": self.elapsed,
+            "cancelled": self.cancelled,
+            "error": self.error,
+            "results": [asdict(result) for result in self.results],
+        }
+
+    def raise_for_failures(self) -> None:
+        """Raise ``FlushFailed`` (carrying this report) unless ``ok``."""
+        if self.ok:
+            return
+        raise FlushFailed(self.summary(), self)
+
+    def summary(self) -> str:
+        """One line: what was flushed, what failed and why (first few)."""
+        if self.error is not None:
+            return f"flush not run: {self.error}"
+        failed = self.failed
+        line = (
+            f"flushed {len(self.results) - len(failed)}/{len(self.results)} targets "
+            f"in {self.elapsed:.2f}s, {self.cancelled} trials cancelled"
+        )
+        if failed:
+            shown = "; ".join(str(result) for result in failed[:_SHOWN_FAILURES])
+            more = f"; and {len(failed) - _SHOWN_FAILURES} more" if len(failed) > _SHOWN_FAILURES else ""
+            line += f"; {len(failed)} failed: {shown}{more}"
+        return line

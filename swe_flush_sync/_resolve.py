@@ -1,0 +1,201 @@
+"""Resolution of what to flush: instance ids from trainer args, server URLs and the secret.
+
+Owns the environment variable names, URL validation and the redaction of URL userinfo.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any, Final
+from urllib.parse import urlsplit
+
+from ._errors import ConfigError
+
+PLURAL_ATTR: Final = "session_server_instance_ids"
+SINGULAR_ATTR: Final = "session_server_instance_id"
+
+URL_ENV_VARS: Final = ("AGENT_SERVER_URL", "SWE_AGENT_URL")
+SECRET_ENV_VARS: Final = ("HARBOR_ADMIN_SECRET", "MILES_HARBOR_AUTH_TOKEN")
+
+_MISSING: Final = object()
+
+
+def resolve_instance_ids(args: Any) -> tuple[str, ...]:
+    """Return the deduplicated session-server instance ids held by trainer ``args``.
+
+    Reads ``session_server_instance_ids`` first (a Mapping such as port -> id, whose VALUES are
+    the ids, or any iterable of ids), then the singular ``session_server_instance_id``.
+
+    Args:
+        args: any object with those attributes (an ``argparse.Namespace``) or a Mapping with
+            those keys. One of the two must be present; either may be None.
+
+    Returns:
+        The ids in first-seen order, duplicates removed; None and "" are skipped.
+
+    Raises:
+        ConfigError: neither name is present, reading one raised, the plural value is not a
+            Mapping or iterable, or an id is not a str.
+
+    Example:
+        >>> resolve_instance_ids({"session_server_instance_ids": {8000: "a", 8001: "b"},
+        ...                       "session_server_instance_id": "a"})
+        ('a', 'b')
+    """
+    plural = _read_field(args, PLURAL_ATTR)
+    singular = _read_field(args, SINGULAR_ATTR)
+    if plural is _MISSING and singular is _MISSING:
+        raise ConfigError(
+            f"args has neither {PLURAL_ATTR!r} nor {SINGULAR_ATTR!r} "
+            f"(got {type(args).__name__})"
+        )
+    ids: dict[str, None] = {}
+    if plural is not _MISSING and plural is not None:
+        for value in _iter_plural(plural):
+            _add_id(ids, value, PLURAL_ATTR)
+    if singular is not _MISSING:
+        _add_id(ids, singular, SINGULAR_ATTR)
+    return tuple(ids)
+
+
+def normalize_instance_ids(instance_ids: str | Iterable[str] | Mapping[Any, str]) -> tuple[str, ...]:
+    """Ids given directly to ``flush``: one str, a Mapping (values) or an iterable; deduplicated."""
+    ids: dict[str, None] = {}
+    values = (instance_ids,) if isinstance(instance_ids, str) else _iter_plural(instance_ids, "instance_ids")
+    for value in values:
+        _add_id(ids, value, "instance_ids")
+    return tuple(ids)
+
+
+def _read_field(args: Any, name: str) -> Any:
+    """One field of ``args`` by key or attribute, ``_MISSING`` when absent."""
+    try:
+        if isinstance(args, Mapping):
+            return args.get(name, _MISSING)
+        return getattr(args, name, _MISSING)
+    except Exception as exc:  # a property or __getattr__ that raises
+        raise ConfigError(f"reading {name!r} from args raised {type(exc).__name__}") from None
+
+
+def _iter_plural(value: Any, name: str = PLURAL_ATTR) -> Iterable[Any]:
+    if isinstance(value, Mapping):
+        return list(value.values())
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise ConfigError(
+            f"{name} must be a mapping of port -> id or an iterable of ids, "
+            f"not {type(value).__name__}"
+        )
+    try:
+        return list(value)
+    except Exception as exc:
+        raise ConfigError(f"iterating {name} raised {type(exc).__name__}") from None
+
+
+def _add_id(ids: dict[str, None], value: Any, name: str) -> None:
+    if value is None or value == "":
+        return
+    if not isinstance(value, str):
+        raise ConfigError(f"{name} holds a {type(value).__name__} id; ids must be str")
+    ids[value] = None
+
+
+def resolve_server_urls(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """Return the agent server URLs configured in the environment.
+
+    ``AGENT_SERVER_URL`` is read, else ``SWE_AGENT_URL``; a blank value counts as unset. A
+    value may hold several URLs separated by commas (one agent server per node).
+
+    Args:
+        environ: the mapping to read; ``os.environ`` by default.
+
+    Returns:
+        The URLs, each without trailing ``/``, duplicates removed, order kept; ``()`` if unset.
+
+    Raises:
+        ConfigError: a URL is not an absolute http(s) URL with a host, or carries
+            credentials, a query or a fragment. The message names the variable and shows
+            the URL with any ``user:pass@`` replaced by ``***@``.
+
+    Example:
+        >>> resolve_server_urls({"AGENT_SERVER_URL": "http://node1:8000/, http://node2:8000"})
+        ('http://node1:8000', 'http://node2:8000')
+    """
+    env = os.environ if environ is None else environ
+    for var in URL_ENV_VARS:
+        value = env.get(var)
+        if value is not None and value.strip():
+            return normalize_server_urls(value, var)
+    return ()
+
+
+def resolve_admin_secret(environ: Mapping[str, str] | None = None) -> str | None:
+    """The bearer secret from ``HARBOR_ADMIN_SECRET``, else ``MILES_HARBOR_AUTH_TOKEN``; None if blank."""
+    env = os.environ if environ is None else environ
+    for var in SECRET_ENV_VARS:
+        value = env.get(var)
+        if value is not None and value.strip():
+            return value.strip()
+    return None
+
+
+def normalize_server_urls(urls: str | Iterable[str], source: str = "server_urls") -> tuple[str, ...]:
+    """Validate and normalise URLs (a comma-separated str or an iterable of str) named ``source``."""
+    if isinstance(urls, str):
+        pieces = urls.split(",")
+    elif isinstance(urls, Iterable) and not isinstance(urls, bytes):
+        pieces = []
+        for url in urls:
+            if not isinstance(url, str):
+                raise ConfigError(f"{source} holds a {type(url).__name__}; URLs must be str")
+            pieces.extend(url.split(","))
+    else:
+        raise ConfigError(f"{source} must be a str or a sequence of str, not {type(urls).__name__}")
+    result: dict[str, None] = {}
+    for piece in pieces:
+        piece = piece.strip()
+        if piece:
+            result[_check_url(piece, source)] = None
+    if not result:
+        raise ConfigError(f"{source} holds no URL")
+    return tuple(result)
+
+
+def _check_url(url: str, source: str) -> str:
+    shown = redact_url(url)
+    try:
+        parts = urlsplit(url)
+        parts.port  # raises ValueError on a bad port
+    except ValueError:
+        raise ConfigError(f"{source}: {shown!r} is not a valid URL") from None
+    if parts.scheme.lower() not in ("http", "https"):
+        raise ConfigError(f"{source}: {shown!r} must start with http:// or https://")
+    if not parts.hostname:
+        raise ConfigError(f"{source}: {shown!r} has no host")
+    if any(ch.isspace() for ch in url):
+        raise ConfigError(f"{source}: {shown!r} contains white space")
+    if "@" in parts.netloc:
+        raise ConfigError(
+            f"{source}: {shown!r} carries credentials; put the secret in "
+            f"{SECRET_ENV_VARS[0]} instead"
+        )
+    if parts.query or parts.fragment or url.endswith(("?", "#")):
+        raise ConfigError(f"{source}: {shown!r} must not have a query or fragment")
+    return url.rstrip("/")
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any userinfo (``user:pass@``) replaced by ``***@``."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    authority_end = len(rest)
+    for delimiter in "/?#":
+        index = rest.find(delimiter)
+        if index != -1:
+            authority_end = min(authority_end, index)
+    authority = rest[:authority_end]
+    if "@" not in authority:
+        return url
+    host = authority.rpartition("@")[2]
+    return f"{scheme}{sep}***@{host}{rest[authority_end:]}"

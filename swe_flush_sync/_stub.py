@@ -1,0 +1,327 @@
+"""A stub agent server speaking the ``/flush`` wire, on real loopback sockets (stdlib only).
+
+It imports nothing from swe_flush_sync, so tests that use it never share code with what they
+test. Public as ``swe_flush_sync.testing.AgentServerStub``.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RecordedRequest:
+    """One request the stub received.
+
+    Attributes:
+        method, path: the request line.
+        instance_id: the id in a well-formed ``/flush`` body, else None.
+        authorization: the ``Authorization`` header as received, or None.
+        body: the raw body.
+        connection: serial number of the TCP connection it came on (1 = first accepted).
+        status: the status answered; None when the connection was dropped or hung.
+        at: ``time.monotonic()`` when it arrived.
+    """
+
+    method: str
+    path: str
+    instance_id: str | None
+    authorization: str | None
+    body: bytes
+    connection: int
+    status: int | None
+    at: float
+
+
+@dataclass
+class _Fault:
+    latency: float = 0.0
+    statuses: deque[int] = field(default_factory=deque)
+    retry_after: str | None = None
+    hang: bool = False
+    drop: bool = False
+    trickle: float | None = None
+    body: bytes | None = None
+    redirect_to: str | None = None
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 128  # the default 5 resets connections under a burst of connects
+
+    def __init__(self, stub: AgentServerStub, address: tuple[str, int]) -> None:
+        self.stub = stub
+        super().__init__(address, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        self.stub._accepted(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        self.stub._closed(request)
+        super().shutdown_request(request)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Server
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802 - stdlib naming
+        self._not_found()
+
+    def do_POST(self) -> None:  # noqa: N802 - stdlib naming
+        self.server.stub._handle(self)
+
+    def _not_found(self) -> None:
+        self.server.stub._record(self, None, b"", 404)
+        self.send_json(404, {"detail": "Not Found"})
+
+    def send_json(self, status: int, payload: object, headers: dict[str, str] | None = None) -> None:
+        """Answer ``status`` with a JSON body (and extra headers)."""
+        self.send_raw(status, json.dumps(payload).encode(), headers)
+
+    def send_raw(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
+        """Answer ``status`` with ``body`` as is."""
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(body)
+
+
+class AgentServerStub:
+    """A stub Harbor agent server for tests, demos and benchmarks.
+
+    Serves ``POST /flush`` on 127.0.0.1 at a free port: checks the bearer secret (401), the
+    JSON body (422), answers 404 elsewhere, and on success waits ``teardown`` seconds (the
+    cancelled trials' teardown) and answers ``{"session_server_instance_id": id,
+    "cancelled": n}`` with the in-flight trials it held for that id. Per-id faults can be
+    scripted with ``fault``; every request is recorded.
+
+    Args:
+        secret: the bearer secret required; None accepts any request.
+        teardown: seconds each successful flush takes.
+
+    Example:
+        >>> with AgentServerStub(secret="s3cret", teardown=0.1) as stub:  # doctest: +SKIP
+        ...     stub.add_trials("inst-1", 3)
+        ...     flush(stub.url, ["inst-1"], admin_secret="s3cret").cancelled
+        3
+    """
+
+    def __init__(self, *, secret: str | None = None, teardown: float = 0.0, host: str = "127.0.0.1") -> None:
+        self.secret = secret
+        self.teardown = teardown
+        self._host = host
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._trials: dict[str, int] = {}
+        self._faults: dict[str, _Fault] = {}
+        self._requests: list[RecordedRequest] = []
+        self._sockets: dict[int, tuple[int, socket.socket]] = {}  # id -> (serial, socket), open ones
+        self._connections = 0
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> AgentServerStub:
+        """Bind a free port on the host and serve in a background thread."""
+        self._server = _Server(self, (self._host, 0))
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="agent-server-stub", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving; hung and trickling requests are released, open connections closed."""
+        self._stopping.set()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+        with self._lock:
+            sockets = [sock for _, sock in self._sockets.values()]
+        for sock in sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> AgentServerStub:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        """``http://127.0.0.1:<port>``."""
+        if self._server is None:
+            raise RuntimeError("the stub is not started")
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    # -- scripting ---------------------------------------------------------------------------
+    def add_trials(self, instance_id: str, count: int = 1) -> None:
+        """Hold ``count`` more in-flight trials for ``instance_id``."""
+        with self._lock:
+            self._trials[instance_id] = self._trials.get(instance_id, 0) + count
+
+    def trials(self, instance_id: str) -> int:
+        """In-flight trials still held for ``instance_id``."""
+        with self._lock:
+            return self._trials.get(instance_id, 0)
+
+    def fault(self, instance_id: str, *, latency: float = 0.0, statuses: Iterable[int] = (),
+              retry_after: str | int | None = None, hang: bool = False, drop: bool = False,
+              trickle: float | None = None, body: bytes | None = None,
+              redirect_to: str | None = None) -> None:
+        """Script how flushes of ``instance_id`` misbehave (replaces any earlier script).
+
+        Args:
+            latency: extra seconds before answering.
+            statuses: statuses answered, one per request, before the normal answer.
+            retry_after: ``Retry-After`` header value sent with those statuses.
+            hang: never answer (until the stub stops).
+            drop: close the connection without answering.
+            trickle: answer 200 headers, then one body byte every ``trickle`` seconds, forever.
+            body: the raw 200 body to send instead of the JSON answer.
+            redirect_to: ``Location`` sent with 3xx statuses.
+        """
+        with self._lock:
+            self._faults[instance_id] = _Fault(latency, deque(statuses), None if retry_after is None
+                                               else str(retry_after), hang, drop, trickle, body, redirect_to)
+
+    # -- records -----------------------------------------------------------------------------
+    @property
+    def requests(self) -> list[RecordedRequest]:
+        """Every request received, in arrival order (a copy)."""
+        with self._lock:
+            return list(self._requests)
+
+    @property
+    def connections(self) -> int:
+        """TCP connections accepted so far."""
+        with self._lock:
+            return self._connections
+
+    def flushed_ids(self) -> list[str]:
+        """Ids of the requests answered 2xx, in order (an id flushed twice appears twice)."""
+        return [r.instance_id for r in self.requests if r.instance_id and r.status and 200 <= r.status < 300]
+
+    def clear_requests(self) -> None:
+        """Forget the recorded requests."""
+        with self._lock:
+            self._requests.clear()
+
+    # -- serving (handler threads) -------------------------------------------------------------
+    def _accepted(self, sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self._lock:
+            self._connections += 1
+            self._sockets[id(sock)] = (self._connections, sock)
+
+    def _closed(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sockets.pop(id(sock), None)
+
+    def _record(self, handler: _Handler, instance_id: str | None, body: bytes, status: int | None) -> None:
+        with self._lock:
+            serial = self._sockets.get(id(handler.connection), (0, None))[0]
+            self._requests.append(RecordedRequest(handler.command, handler.path, instance_id,
+                                                  handler.headers.get("Authorization"), body, serial,
+                                                  status, time.monotonic()))
+
+    def _handle(self, handler: _Handler) -> None:
+        length = int(handler.headers.get("Content-Length") or 0)
+        body = handler.rfile.read(length) if length else b""
+        if handler.path != "/flush":
+            self._record(handler, None, body, 404)
+            handler.send_json(404, {"detail": "Not Found"})
+            return
+        if self.secret is not None and not self._authorized(handler.headers.get("Authorization")):
+            self._record(handler, None, body, 401)
+            handler.send_json(401, {"detail": "invalid admin secret"})
+            return
+        instance_id = self._parse_id(body)
+        if instance_id is None:
+            self._record(handler, None, body, 422)
+            handler.send_json(422, {"detail": "session_server_instance_id (str) required"})
+            return
+        with self._lock:
+            fault = self._faults.get(instance_id) or _Fault()
+            status = fault.statuses.popleft() if fault.statuses else None
+        if fault.latency:
+            self._stopping.wait(fault.latency)
+        if fault.hang or fault.drop:
+            self._record(handler, instance_id, body, None)
+            if fault.hang:
+                self._stopping.wait()
+            handler.close_connection = True
+            handler.connection.shutdown(socket.SHUT_RDWR)
+            return
+        if status is not None:
+            self._record(handler, instance_id, body, status)
+            headers = {}
+            if fault.retry_after is not None:
+                headers["Retry-After"] = fault.retry_after
+            if fault.redirect_to is not None:
+                headers["Location"] = fault.redirect_to
+            handler.send_json(status, {"detail": f"scripted {status}"}, headers)
+            return
+        if fault.trickle is not None:
+            self._record(handler, instance_id, body, 200)
+            self._trickle(handler, fault.trickle)
+            return
+        if self.teardown:
+            self._stopping.wait(self.teardown)
+        with self._lock:
+            cancelled = self._trials.pop(instance_id, 0)
+        self._record(handler, instance_id, body, 200)
+        if fault.body is not None:
+            handler.send_raw(200, fault.body)
+        else:
+            handler.send_json(200, {"session_server_instance_id": instance_id, "cancelled": cancelled})
+
+    def _authorized(self, header: str | None) -> bool:
+        expected = f"Bearer {self.secret}".encode()
+        return header is not None and secrets.compare_digest(header.encode("latin-1", "replace"), expected)
+
+    @staticmethod
+    def _parse_id(body: bytes) -> str | None:
+        try:
+            data = json.loads(body)
+        except ValueError:
+            return None
+        instance_id = data.get("session_server_instance_id") if isinstance(data, dict) else None
+        return instance_id if isinstance(instance_id, str) and instance_id else None
+
+    def _trickle(self, handler: _Handler, interval: float) -> None:
+        handler.close_connection = True
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", "1000000")
+        handler.end_headers()
+        try:
+            handler.wfile.write(b"{")
+            while not self._stopping.wait(interval):
+                handler.wfile.write(b" ")
+                handler.wfile.flush()
+        except OSError:
+            pass

@@ -1,0 +1,87 @@
+"""Shared fixtures: a clean environment, the stub agent server, thread accounting."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from swe_flush_sync._lifecycle import _close_cached_flushers
+from swe_flush_sync.testing import AgentServerStub
+
+SECRET = "s3cret-token-do-not-leak"
+REPO = Path(__file__).resolve().parent.parent
+
+_ENV_VARS = (
+    "AGENT_SERVER_URL", "SWE_AGENT_URL", "HARBOR_ADMIN_SECRET", "MILES_HARBOR_AUTH_TOKEN",
+    "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "all_proxy", "no_proxy",
+    "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NETRC",
+)
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in _ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(autouse=True)
+def close_abort_cache() -> Iterator[None]:
+    """abort() keeps warm Flushers (with idle worker threads) by design; start each test without."""
+    yield
+    _close_cached_flushers()
+
+
+@pytest.fixture
+def stub() -> Iterator[AgentServerStub]:
+    with AgentServerStub(secret=SECRET) as server:
+        yield server
+
+
+@pytest.fixture
+def stub_factory() -> Iterator:
+    started: list[AgentServerStub] = []
+
+    def make(**kwargs: object) -> AgentServerStub:
+        server = AgentServerStub(**kwargs).start()  # type: ignore[arg-type]
+        started.append(server)
+        return server
+
+    yield make
+    for server in started:
+        server.stop()
+
+
+def ours(threads: list[threading.Thread] | None = None) -> list[threading.Thread]:
+    """Threads the library started (its workers are named swe-flush*)."""
+    return [t for t in (threads or threading.enumerate()) if t.name.startswith("swe-flush") and t.is_alive()]
+
+
+def wait_no_library_threads(timeout: float = 2.0) -> list[threading.Thread]:
+    """Poll until no library thread is alive; return the ones still alive at the timeout."""
+    return wait_threads_gone(ours, timeout)
+
+
+def wait_threads_gone(which: Callable[[], list[threading.Thread]], timeout: float) -> list[threading.Thread]:
+    """Poll ``which()`` until it is empty or ``timeout`` passes; return what is left."""
+    end = time.monotonic() + timeout
+    while which() and time.monotonic() < end:
+        time.sleep(0.01)
+    return which()
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """Environment for a child Python that imports the package from this checkout."""
+    env = {k: v for k, v in os.environ.items() if k not in _ENV_VARS}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+PYTHON = sys.executable
