@@ -47,6 +47,7 @@ class _Parser(argparse.ArgumentParser):
 def _flush_parser() -> _Parser:
     parser = _Parser(
         prog="swe-flush",
+        allow_abbrev=False,
         description="Flush agent session-server instances on every agent server, in parallel. "
                     "`swe-flush demo` runs against an embedded stub server.",
         epilog="Environment: AGENT_SERVER_URL (or SWE_AGENT_URL), comma-separated; "
@@ -61,6 +62,9 @@ def _flush_parser() -> _Parser:
                         help="JSON file (or - for stdin): a list of ids, a port->id object, or an object "
                              f"holding {PLURAL_ATTR} / {SINGULAR_ATTR}")
     parser.add_argument("--secret-file", metavar="PATH", help="read the bearer secret from this file")
+    # Refused on purpose, without echoing the value: a flag value shows in `ps`.
+    parser.add_argument("--secret", "--admin-secret", "--token", dest="secret_flag", nargs="?", const="",
+                        help=argparse.SUPPRESS)
     parser.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE, metavar="S",
                         help=f"seconds the whole flush may take (default {DEFAULT_DEADLINE:g})")
     parser.add_argument("--workers", type=int, default=None, metavar="N", help="requests in flight at once")
@@ -71,7 +75,7 @@ def _flush_parser() -> _Parser:
 
 
 def _demo_parser() -> _Parser:
-    parser = _Parser(prog="swe-flush demo",
+    parser = _Parser(prog="swe-flush demo", allow_abbrev=False,
                      description="Start a stub agent server with in-flight trials and flush them all.")
     parser.add_argument("--instances", type=int, default=8, metavar="N", help="session-server instances (default 8)")
     parser.add_argument("--teardown", type=float, default=0.5, metavar="S",
@@ -95,6 +99,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_flush(ns: argparse.Namespace) -> int:
+    if ns.secret_flag is not None:
+        raise ConfigError("the secret is never taken as a flag value (it would show in ps): "
+                          "set HARBOR_ADMIN_SECRET or pass --secret-file PATH")
     urls = normalize_server_urls(ns.url, "--url") if ns.url else resolve_server_urls()
     if not urls:
         raise ConfigError("no agent server URL: pass --url or set AGENT_SERVER_URL")

@@ -75,18 +75,30 @@ class _Batch:
         self._done = 0
         self._stop_reason: str | None = None
         self._cond = threading.Condition(threading.Lock())
-        self.go = threading.Event()  # set once every worker is started: all send at once
+        self._go = threading.Event()  # every worker is at the start line: all send at once
+        self._arrived = 0
+        self._workers: int | None = None  # how many were started, once known
+
+    def release_workers(self, started: int | None = None) -> None:
+        """Say how many workers were started (they go once all arrive); None: go now."""
+        with self._cond:
+            self._workers = started
+            if started is None or self._arrived >= started:
+                self._go.set()
 
     def run(self, session: requests.Session, connect_timeout: float) -> None:
-        """Worker loop: flush pairs until none is left or the batch is given up."""
-        self.go.wait(max(self.deadline - time.monotonic(), 0))
-        while True:
-            with self._cond:
-                if self._stop_reason is not None or self._next >= len(self.pairs):
-                    return
-                index = self._next
-                self._next += 1
-                call = self._calls[index] = PairCall(self.deadline)
+        """Worker loop: claim a pair, wait for the other workers, then flush pairs until none is
+        left or the batch is given up. Claiming before the start line puts every pair (up to
+        the worker count) in flight at once."""
+        with self._cond:
+            self._arrived += 1
+            if self._workers is not None and self._arrived >= self._workers:
+                self._go.set()
+            index = self._claim()
+        self._go.wait(max(self.deadline - time.monotonic(), 0))
+        while index is not None:
+            call = self._calls[index]
+            assert call is not None
             url, instance_id = self.pairs[index]
             result = post_flush(session, url, instance_id, call, connect_timeout)
             with self._cond:
@@ -95,6 +107,16 @@ class _Batch:
                     self._done += 1
                     if self._done == len(self.pairs):
                         self._cond.notify_all()
+                index = self._claim()
+
+    def _claim(self) -> int | None:
+        """The next unclaimed pair (its PairCall created), or None; call with the lock held."""
+        if self._stop_reason is not None or self._next >= len(self.pairs):
+            return None
+        index = self._next
+        self._next += 1
+        self._calls[index] = PairCall(self.deadline)
+        return index
 
     def stop(self, reason: str) -> None:
         """Give the batch up now (its waiting caller returns at once)."""
@@ -236,8 +258,9 @@ class Flusher:
         try:
             try:
                 self._start_workers(batch, min(len(pairs), self._max_workers), use_executor)
-            finally:
-                batch.go.set()
+            except BaseException:
+                batch.release_workers()  # never leave started workers waiting
+                raise
             results = batch.wait(started)
         finally:
             with self._lock:
@@ -253,6 +276,7 @@ class Flusher:
                 for _ in range(count):
                     self._executor.submit(self._work, batch)
                     started += 1
+                batch.release_workers(started)
                 return
             except RuntimeError:  # interpreter shutdown: the executor refuses new work
                 pass
@@ -263,7 +287,7 @@ class Flusher:
             except RuntimeError:  # "can't create new thread at interpreter shutdown" (3.12)
                 break
             started += 1
-        batch.go.set()
+        batch.release_workers(started)
         if started == 0:
             self._work(batch)  # one by one in the calling thread, each bounded by the deadline
 

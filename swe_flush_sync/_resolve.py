@@ -157,7 +157,7 @@ def normalize_server_urls(urls: str | Iterable[str], source: str = "server_urls"
         if piece:
             result[_check_url(piece, source)] = None
     if not result:
-        raise ConfigError(f"{source} holds no URL")
+        raise ConfigError(f"{source}: no URL given")
     return tuple(result)
 
 

@@ -67,6 +67,9 @@ class _Server(ThreadingHTTPServer):
         self.stub._accepted(request)
         super().process_request(request, client_address)
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # clients that hang up mid-answer (deadlines, capped reads) are expected here
+
     def shutdown_request(self, request: Any) -> None:
         self.stub._closed(request)
         super().shutdown_request(request)

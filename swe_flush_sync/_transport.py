@@ -159,7 +159,8 @@ class _DeadlineRetry(Retry):
         if wait >= call.remaining():
             call.gave_up = True
             if retry_after is not None:
-                call.stop_reason = f"Retry-After {retry_after:g}s reaches past the deadline"
+                given = str(response.headers.get("Retry-After", ""))[:40]  # as the server sent it
+                call.stop_reason = f"Retry-After: {given} reaches past the deadline"
             else:
                 call.stop_reason = "the deadline passed before the next retry"
             reason = kwargs.get("error") or ResponseError(call.stop_reason)

@@ -150,7 +150,7 @@ class TestServerUrls:
 
     def test_normalize_sequence_and_bad_types(self) -> None:
         assert normalize_server_urls(["http://a:1", "http://b:1,http://a:1/"]) == ("http://a:1", "http://b:1")
-        with pytest.raises(ConfigError, match="server_urls holds no URL"):
+        with pytest.raises(ConfigError, match="server_urls: no URL given"):
             normalize_server_urls([])
         with pytest.raises(ConfigError, match="server_urls holds a int"):
             normalize_server_urls([1])  # type: ignore[list-item]

@@ -1,0 +1,147 @@
+"""The swe-flush command line: exit codes, output, input files, the demo."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from swe_flush_sync._cli import main
+from swe_flush_sync.testing import AgentServerStub
+
+from .conftest import PYTHON, SECRET, subprocess_env
+
+
+@pytest.fixture
+def secret_file(tmp_path: Path) -> Path:
+    path = tmp_path / "secret"
+    path.write_text(SECRET + "\n")
+    return path
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_all_flushed_exit_0_table(stub: AgentServerStub, secret_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    stub.add_trials("a", 2)
+    code, out, err = run(["--url", stub.url, "--id", "a", "--id", "b", "--secret-file", str(secret_file)], capsys)
+    assert code == 0, err
+    assert "INSTANCE" in out and "flushed 2/2 targets" in out and "2 trials cancelled" in out
+    assert sorted(stub.flushed_ids()) == ["a", "b"]
+
+
+def test_failure_exit_1_json(stub: AgentServerStub, secret_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    stub.fault("b", statuses=[404])
+    code, out, _ = run(["--url", stub.url, "--id", "a", "--id", "b", "--json", "--secret-file", str(secret_file)],
+                       capsys)
+    assert code == 1
+    data = json.loads(out)
+    assert data["ok"] is False and [r["ok"] for r in data["results"]] == [True, False]
+    assert data["results"][1]["status_code"] == 404 and SECRET not in out
+
+
+def test_env_urls_and_secret(stub: AgentServerStub, monkeypatch: pytest.MonkeyPatch,
+                             capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("AGENT_SERVER_URL", stub.url)
+    monkeypatch.setenv("MILES_HARBOR_AUTH_TOKEN", SECRET)
+    code, _, err = run(["--id", "a"], capsys)
+    assert code == 0, err
+    assert stub.requests[0].authorization == f"Bearer {SECRET}"
+
+
+def test_nothing_to_do_exit_0(stub: AgentServerStub, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["--url", stub.url], capsys)
+    assert code == 0 and "nothing to flush" in out and stub.requests == []
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ('["a", "b", "a"]', ["a", "b"]),
+        ('{"8000": "a", "8001": "b"}', ["a", "b"]),
+        ('{"session_server_instance_ids": {"1": "a"}, "session_server_instance_id": "c"}', ["a", "c"]),
+    ],
+)
+def test_ids_json_shapes(stub: AgentServerStub, secret_file: Path, tmp_path: Path, content: str,
+                         expected: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    ids_file = tmp_path / "ids.json"
+    ids_file.write_text(content)
+    code, _, err = run(["--url", stub.url, "--ids-json", str(ids_file), "--secret-file", str(secret_file)], capsys)
+    assert code == 0, err
+    assert sorted(stub.flushed_ids()) == expected
+
+
+def test_ids_json_from_stdin(stub: AgentServerStub, secret_file: Path, monkeypatch: pytest.MonkeyPatch,
+                             capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO('["s1"]'))
+    code, _, _ = run(["--url", stub.url, "--ids-json", "-", "--secret-file", str(secret_file)], capsys)
+    assert code == 0 and stub.flushed_ids() == ["s1"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--id", "a"], "no agent server URL"),
+        (["--url", "ftp://x", "--id", "a"], "--url: 'ftp://x' must start with http"),
+        (["--url", "http://u:pw@h:1", "--id", "a"], "***@"),
+        (["--url", "http://h:1", "--ids-json", "/nonexistent/ids.json"], "--ids-json: cannot read"),
+        (["--url", "http://h:1", "--secret-file", "/nonexistent/secret"], "--secret-file: cannot read"),
+        (["--url", "http://h:1", "--deadline", "0", "--id", "a"], "deadline must be > 0"),
+        (["--url", "http://h:1", "--workers", "0", "--id", "a"], "max_workers must be between 1"),
+        (["--url", "http://h:1", "--retries", "-1", "--id", "a"], "retries must be between 0"),
+        (["--deadline", "soon"], "invalid float value"),
+        (["--no-such-flag"], "unrecognized arguments"),
+        (["--secret", "hunter2", "--id", "a"], "never taken as a flag value"),
+        (["--token=hunter2"], "never taken as a flag value"),
+        (["--secret-f", "x"], "unrecognized arguments"),
+    ],
+)
+def test_usage_and_config_errors_exit_2_one_line(argv: list[str], message: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(argv, capsys)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err
+    assert "pw@" not in err and "hunter2" not in err
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [("{not json", "is not valid JSON"), ("42", "must hold a list of ids or an object"),
+     ('[1, 2]', "ids must be str"), ('"a"', "must hold a list")],
+)
+def test_bad_ids_json_exit_2(tmp_path: Path, content: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    ids_file = tmp_path / "ids.json"
+    ids_file.write_text(content)
+    code, _, err = run(["--url", "http://h:1", "--ids-json", str(ids_file)], capsys)
+    assert code == 2 and message in err and err.count("\n") == 1
+
+
+def test_empty_secret_file_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    empty = tmp_path / "secret"
+    empty.write_text("  \n")
+    code, _, err = run(["--url", "http://h:1", "--id", "a", "--secret-file", str(empty)], capsys)
+    assert code == 2 and "is empty" in err
+
+
+def test_module_entry_point_and_demo_subprocess() -> None:
+    proc = subprocess.run([PYTHON, "-m", "swe_flush_sync", "demo", "--instances", "4", "--teardown", "0.2"],
+                          capture_output=True, text=True, timeout=60, env=subprocess_env())
+    assert proc.returncode == 0, proc.stderr
+    assert "flushed 4/4 targets" in proc.stdout and "one by one it would have taken" in proc.stdout
+    assert "Trials left running: 0" in proc.stdout
+    bad = subprocess.run([PYTHON, "-m", "swe_flush_sync", "--url", "nope", "--id", "x"],
+                         capture_output=True, text=True, timeout=60, env=subprocess_env())
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+
+
+def test_demo_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["demo", "--instances", "3", "--teardown", "0.1", "--json"], capsys)
+    data = json.loads(out)
+    assert code == 0 and data["ok"] and len(data["results"]) == 3 and data["trials_left"] == 0
+    assert data["one_by_one_seconds"] >= 3 * 0.1
