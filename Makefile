@@ -1,28 +1,31 @@
-# Every target makes its own virtualenv (.venv) with python3 first: a fresh machine needs
-# nothing but python3 (and make).
+# Each target makes its own virtualenv (.venv) with python3 first, so a fresh machine needs
+# nothing but python3 and make.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+DEPS := setup.cfg setup.py pyproject.toml
 
 .PHONY: demo test bench bench-quick clean
 
-$(STAMP): setup.cfg setup.py pyproject.toml
+$(VENV)/.installed: $(DEPS)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
-	touch $(STAMP)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	touch $@
 
-demo: $(STAMP)
+$(VENV)/.installed-bench: $(VENV)/.installed
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,bench]'
+	touch $@
+
+demo: $(VENV)/.installed
 	$(BIN)/swe-flush demo
 
-test: $(STAMP)
+test: $(VENV)/.installed
 	$(BIN)/python -m pytest
 
-bench: $(STAMP)
+bench: $(VENV)/.installed-bench
 	$(BIN)/python -m benchmarks
 
-bench-quick: $(STAMP)
+bench-quick: $(VENV)/.installed-bench
 	$(BIN)/python -m benchmarks --quick
 
 clean:

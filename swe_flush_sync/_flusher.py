@@ -17,12 +17,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final
 
-import requests
-
 from ._errors import ConfigError, FlushError
 from ._report import FlushReport, FlushResult
 from ._resolve import normalize_instance_ids, normalize_server_urls
-from ._transport import PairCall, build_session, post_flush
+from ._transport import ConnectionGate, PairCall, Transport
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +32,7 @@ DEFAULT_BACKOFF_FACTOR: Final = 0.2
 MAX_DEADLINE: Final = 3600.0
 MAX_RETRIES: Final = 100
 MAX_WORKERS: Final = 4096
+_START_LINE_WAIT: Final = 0.5  # seconds the caller waits for its workers to reach the start line
 
 
 def check_seconds(value: Any, name: str, maximum: float = MAX_DEADLINE) -> float:
@@ -75,32 +74,40 @@ class _Batch:
         self._done = 0
         self._stop_reason: str | None = None
         self._cond = threading.Condition(threading.Lock())
-        self._go = threading.Event()  # every worker is at the start line: all send at once
+        self._go = threading.Event()  # the workers at the start line send at once
         self._arrived = 0
-        self._workers: int | None = None  # how many were started, once known
+        self._gate: ConnectionGate | None = None
 
     def release_workers(self, started: int | None = None) -> None:
-        """Say how many workers were started (they go once all arrive); None: go now."""
+        """Let the workers go once the ``started`` ones are at the start line (or after a short
+        wait: a busy shared executor may not run them yet); None: go now."""
         with self._cond:
-            self._workers = started
-            if started is None or self._arrived >= started:
-                self._go.set()
+            if started:
+                self._cond.wait_for(lambda: self._arrived >= started,
+                                    min(_START_LINE_WAIT, max(self.deadline - time.monotonic(), 0)))
+                self._gate = ConnectionGate(self._arrived, self.deadline)
+            self._go.set()
 
-    def run(self, session: requests.Session, connect_timeout: float) -> None:
-        """Worker loop: claim a pair, wait for the other workers, then flush pairs until none is
+    def run(self, transport: Transport) -> None:
+        """Worker loop: claim a pair, wait at the start line, then flush pairs until none is
         left or the batch is given up. Claiming before the start line puts every pair (up to
-        the worker count) in flight at once."""
+        the worker count) in flight at once; the gate keeps each first connection checked
+        out until every worker at the line has one, so the pool grows to the pairs in flight."""
         with self._cond:
             self._arrived += 1
-            if self._workers is not None and self._arrived >= self._workers:
-                self._go.set()
+            at_start_line = not self._go.is_set()
             index = self._claim()
+            self._cond.notify_all()
         self._go.wait(max(self.deadline - time.monotonic(), 0))
+        if index is not None and at_start_line:
+            first = self._calls[index]
+            assert first is not None
+            first.gate = self._gate
         while index is not None:
             call = self._calls[index]
             assert call is not None
             url, instance_id = self.pairs[index]
-            result = post_flush(session, url, instance_id, call, connect_timeout)
+            result = transport.post(url, instance_id, call)
             with self._cond:
                 if self._stop_reason is None:
                     self.results[index] = result
@@ -124,6 +131,9 @@ class _Batch:
             if self._stop_reason is None:
                 self._stop_reason = reason
             self._cond.notify_all()
+            gate = self._gate
+        if gate is not None:
+            gate.open()
 
     def wait(self, started: float) -> tuple[FlushResult, ...]:
         """Block until all pairs are done or the deadline passes; fail what is unfinished."""
@@ -138,6 +148,9 @@ class _Batch:
             reason = self._stop_reason
             unfinished = [i for i, result in enumerate(self.results) if result is None]
             calls = list(self._calls)
+            gate = self._gate
+        if gate is not None:
+            gate.open()
         now = time.monotonic()
         for index in unfinished:
             call = calls[index]
@@ -202,9 +215,9 @@ class Flusher:
         if isinstance(backoff_factor, bool) or not isinstance(backoff_factor, (int, float)) \
                 or not 0 <= backoff_factor <= 60:
             raise ConfigError(f"backoff_factor must be a number from 0 to 60, got {backoff_factor!r}")
-        self._session = build_session(admin_secret=self._secret, hosts=len(self._urls),
-                                      pool_maxsize=self._max_workers, retries=self._retries,
-                                      backoff_factor=float(backoff_factor))
+        self._transport = Transport(self._urls, admin_secret=self._secret, pool_maxsize=self._max_workers,
+                                    retries=self._retries, backoff_factor=float(backoff_factor),
+                                    connect_timeout=self._connect_timeout)
         self._executor = ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix="swe-flush")
         self._lock = threading.RLock()  # re-entrant: a signal handler may run while it is held
         self._active: set[_Batch] = set()
@@ -295,7 +308,7 @@ class Flusher:
         with self._lock:
             self._busy += 1
         try:
-            batch.run(self._session, self._connect_timeout)
+            batch.run(self._transport)
         finally:
             with self._lock:
                 self._busy -= 1
@@ -315,7 +328,7 @@ class Flusher:
             batch.stop("the Flusher was closed")
         # Joining idle workers is immediate; a straggler past its deadline is never waited for.
         self._executor.shutdown(wait=idle, cancel_futures=True)
-        self._session.close()
+        self._transport.close()
 
     @property
     def closed(self) -> bool:

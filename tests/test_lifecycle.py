@@ -300,3 +300,21 @@ def test_hook_options_are_validated_at_install() -> None:
     with pytest.raises(ConfigError, match="signals"):
         flush_on_signal({}, signals=(signal.SIGKILL,))
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL or sys.platform != "linux"
+
+
+def test_flush_at_exit_when_no_thread_can_start(stub: AgentServerStub) -> None:
+    """As on Python 3.12, where threads cannot start at shutdown: one by one in the calling thread."""
+    child = Child(stub, """
+        import atexit, threading
+        flush_at_exit(args, deadline=5)
+        def refuse_threads():
+            def start(self):
+                raise RuntimeError("can't create new thread at interpreter shutdown")
+            threading.Thread.start = start
+        atexit.register(refuse_threads)  # runs first: atexit is last-in, first-out
+        fill_ids(); ready()
+    """)
+    code, _, _, err = child.finish()
+    assert code == 0, err
+    assert_each_id_flushed_once(stub)
+    assert len({r.connection for r in stub.requests}) == 1  # one after another, on one connection

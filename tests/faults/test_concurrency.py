@@ -84,3 +84,25 @@ def test_many_threads_share_one_flusher(stub: AgentServerStub, promises: Promise
         assert time.monotonic() - started < 10
     assert len(reports) == 40 and all(r.ok for r in reports)
     assert len(stub.flushed_ids()) == len(set(stub.flushed_ids())) == 160
+
+
+def test_concurrent_calls_sharing_a_small_executor_do_not_stall(stub_factory, promises: Promises) -> None:  # type: ignore[no-untyped-def]
+    stub = stub_factory(teardown=0.1)
+    reports: list[tuple[FlushReport, float]] = []
+    with Flusher(stub.url, max_workers=4, deadline=5) as flusher:
+        def call(tag: str) -> None:
+            started = time.monotonic()
+            report = flusher.flush([f"{tag}{k}" for k in range(8)])
+            reports.append((report, time.monotonic() - started))
+
+        threads = [threading.Thread(target=call, args=(tag,)) for tag in "ABC"]
+        promises.start()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+    assert len(reports) == 3 and all(report.ok for report, _ in reports)
+    # each call's workers wait at most briefly for executor threads held by the others
+    assert max(took for _, took in reports) < 2.5
+    assert stub.connections <= 4
+    promises.check(reports[0][0], 5)
