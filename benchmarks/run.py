@@ -186,8 +186,9 @@ def grid(stub: StubProcess, loop: LoopThread, ns: list[int], ls: list[float], re
                 times: dict[str, list[float]] = {p: [] for p in PEERS}
                 skipped = [p for p in SEQUENTIAL if n * (latency + 0.002) > sequential_limit]
                 active = [p for p in PEERS if p not in skipped]
-                for peer in active:  # warm-up, untimed
-                    peers.run(peer, ids, cap=120)
+                for peer in active:  # warm-up, untimed (the sequential peers gain nothing from it)
+                    if peer not in SEQUENTIAL:
+                        peers.run(peer, ids, cap=120)
                 for rep in range(reps):
                     order = active[rep % len(active):] + active[:rep % len(active)]  # interleaved
                     for peer in order:

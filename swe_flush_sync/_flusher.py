@@ -221,6 +221,9 @@ class Flusher:
         self._executor = ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix="swe-flush")
         self._lock = threading.RLock()  # re-entrant: a signal handler may run while it is held
         self._active: set[_Batch] = set()
+        # Workers never take self._lock: a signal may interrupt the main thread holding it, and
+        # the handler's own flush then waits for its workers.
+        self._busy_lock = threading.Lock()
         self._busy = 0  # workers inside a batch
         self._closed = False
 
@@ -305,12 +308,12 @@ class Flusher:
             self._work(batch)  # one by one in the calling thread, each bounded by the deadline
 
     def _work(self, batch: _Batch) -> None:
-        with self._lock:
+        with self._busy_lock:
             self._busy += 1
         try:
             batch.run(self._transport)
         finally:
-            with self._lock:
+            with self._busy_lock:
                 self._busy -= 1
 
     def close(self) -> None:
@@ -323,6 +326,7 @@ class Flusher:
                 return
             self._closed = True
             batches = list(self._active)
+        with self._busy_lock:
             idle = self._busy == 0 and not batches
         for batch in batches:
             batch.stop("the Flusher was closed")

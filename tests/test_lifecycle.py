@@ -43,6 +43,8 @@ class Child:
         self.proc = subprocess.Popen([PYTHON, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, env=environ)
         self.stdout: list[str] = []
+        self.started = time.monotonic()
+        self.signalled: float | None = None
 
     def wait_for(self, marker: str, timeout: float = 20) -> None:
         assert self.proc.stdout is not None
@@ -60,11 +62,15 @@ class Child:
     def kill(self, signum: int = signal.SIGTERM) -> float:
         sent = time.monotonic()
         self.proc.send_signal(signum)
+        if self.signalled is None:
+            self.signalled = sent
         return sent
 
     def finish(self, timeout: float = 30) -> tuple[int, float, str, str]:
         out, err = self.proc.communicate(timeout=timeout)
         ended = time.monotonic()
+        since = "the signal" if self.signalled else "start"
+        print(f"[timing] exited {ended - (self.signalled or self.started):.2f}s after {since}")  # shown with -s
         self.stdout.extend(out.split())
         return self.proc.returncode, ended, " ".join(self.stdout), err
 
