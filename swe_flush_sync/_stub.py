@@ -178,7 +178,7 @@ class AgentServerStub:
         if self._server is None:
             raise RuntimeError("the stub is not started")
         host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{host.decode() if isinstance(host, bytes) else host}:{port}"
 
     # -- scripting ---------------------------------------------------------------------------
     def add_trials(self, instance_id: str, count: int = 1) -> None:

@@ -19,7 +19,8 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Final
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Final
 
 import requests
 import requests.adapters
@@ -41,6 +42,11 @@ from urllib3.util.retry import Retry
 from urllib3.util.timeout import Timeout
 
 from ._report import FlushResult
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+    from urllib3.connectionpool import ConnectionPool
+    from urllib3.response import BaseHTTPResponse
 
 RETRY_STATUSES: Final = frozenset({429, 500, 502, 503, 504})
 MAX_BODY_BYTES: Final = 64 * 1024
@@ -173,11 +179,11 @@ class _DeadlineTimeout(Timeout):
         return left if configured is None else min(float(configured), left)
 
     @property
-    def connect_timeout(self) -> float:  # type: ignore[override]
+    def connect_timeout(self) -> float:
         return self._clamp(super().connect_timeout)
 
     @property
-    def read_timeout(self) -> float:  # type: ignore[override]
+    def read_timeout(self) -> float:
         return self._clamp(super().read_timeout)
 
 
@@ -188,14 +194,21 @@ class _DeadlineRetry(Retry):
     (the last response, e.g. a 429, is then returned and reported); shorter waits are slept.
     """
 
-    def increment(self, method: str | None = None, url: str | None = None, *args: Any, **kwargs: Any) -> Retry:
+    def increment(
+        self,
+        method: str | None = None,
+        url: str | None = None,
+        response: BaseHTTPResponse | None = None,
+        error: Exception | None = None,
+        _pool: ConnectionPool | None = None,
+        _stacktrace: TracebackType | None = None,
+    ) -> Self:
         call = _current_call()
         if call is None:
-            return super().increment(method, url, *args, **kwargs)
+            return super().increment(method, url, response, error, _pool, _stacktrace)
         call.failed_attempts += 1
-        response = kwargs.get("response")
         try:
-            new_retry = super().increment(method, url, *args, **kwargs)  # raises when exhausted
+            new_retry = super().increment(method, url, response, error, _pool, _stacktrace)  # raises when exhausted
         except BaseException:
             call.gave_up = True
             raise
@@ -203,13 +216,12 @@ class _DeadlineRetry(Retry):
         wait = new_retry.get_backoff_time() if retry_after is None else retry_after
         if wait >= call.remaining():
             call.gave_up = True
-            if retry_after is not None:
+            if response is not None and retry_after is not None:
                 given = str(response.headers.get("Retry-After", ""))[:40]  # as the server sent it
                 call.stop_reason = f"Retry-After: {given} reaches past the deadline"
             else:
                 call.stop_reason = "the deadline passed before the next retry"
-            reason = kwargs.get("error") or ResponseError(call.stop_reason)
-            raise MaxRetryError(kwargs.get("_pool"), url or "", reason)
+            raise MaxRetryError(_pool, url or "", error or ResponseError(call.stop_reason))  # type: ignore[arg-type]
         call.next_wait = wait
         return new_retry
 
@@ -349,6 +361,7 @@ class Transport:
         self.session = build_session(admin_secret=admin_secret, hosts=len(server_urls), pool_maxsize=pool_maxsize,
                                      retries=retries, backoff_factor=backoff_factor)
         self._adapter = self.session.get_adapter("http://")
+        self._verify: bool | str = self.session.verify if self.session.verify is not None else True
         self._connect_timeout = connect_timeout
         self._templates = {
             url: self.session.prepare_request(
@@ -379,8 +392,9 @@ class Transport:
             response = self._adapter.send(
                 self._prepare(server_url, body),
                 stream=True,  # so that a huge body is never read past MAX_BODY_BYTES
-                timeout=_DeadlineTimeout(connect=self._connect_timeout, read=None, call=call),
-                verify=self.session.verify,
+                # requests passes a urllib3 Timeout through unchanged; its stubs do not say so
+                timeout=_DeadlineTimeout(connect=self._connect_timeout, read=None, call=call),  # type: ignore[arg-type]
+                verify=self._verify,
                 cert=None,
                 proxies={},
             )
