@@ -258,9 +258,9 @@ class Flusher:
         """
         ids = normalize_instance_ids(instance_ids)
         budget = self._deadline if deadline is None else check_seconds(deadline, "deadline")
-        return self.flush_ids(ids, budget, use_executor=True)
+        return self._flush_ids(ids, budget, use_executor=True)
 
-    def flush_ids(self, ids: tuple[str, ...], budget: float, *, use_executor: bool) -> FlushReport:
+    def _flush_ids(self, ids: tuple[str, ...], budget: float, *, use_executor: bool) -> FlushReport:
         """``flush`` of validated ids; ``use_executor=False`` runs plain daemon threads instead."""
         started = time.monotonic()
         pairs = [(url, instance_id) for url in self._urls for instance_id in ids]

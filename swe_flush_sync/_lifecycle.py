@@ -78,7 +78,7 @@ def _run_abort(args: Any, environ: Mapping[str, str] | None, options: Mapping[st
         secret = flusher_options.pop("admin_secret", None) or resolve_admin_secret(env)
         budget = check_seconds(flusher_options.pop("deadline", DEFAULT_DEADLINE), "deadline")
         flusher = _cached_flusher(urls, secret, flusher_options)
-        return flusher.flush_ids(ids, budget, use_executor=use_executor)
+        return flusher._flush_ids(ids, budget, use_executor=use_executor)
     except FlushError as exc:
         error = str(exc)
     except Exception as exc:  # never crash the trainer; the message could hold anything
