@@ -32,7 +32,7 @@ DEFAULT_BACKOFF_FACTOR: Final = 0.2
 MAX_DEADLINE: Final = 3600.0
 MAX_RETRIES: Final = 100
 MAX_WORKERS: Final = 4096
-_START_LINE_WAIT: Final = 0.5  # seconds the caller waits for its workers to reach the start line
+_GATE_PATIENCE: Final = 0.5  # seconds a worker holds its first connection for workers that do not start
 
 
 def check_seconds(value: Any, name: str, maximum: float = MAX_DEADLINE) -> float:
@@ -74,32 +74,22 @@ class _Batch:
         self._done = 0
         self._stop_reason: str | None = None
         self._cond = threading.Condition(threading.Lock())
-        self._go = threading.Event()  # the workers at the start line send at once
-        self._arrived = 0
-        self._gate: ConnectionGate | None = None
+        self._gate = ConnectionGate(deadline, _GATE_PATIENCE)
 
-    def release_workers(self, started: int | None = None) -> None:
-        """Let the workers go once the ``started`` ones are at the start line (or after a short
-        wait: a busy shared executor may not run them yet); None: go now."""
-        with self._cond:
-            if started:
-                self._cond.wait_for(lambda: self._arrived >= started,
-                                    min(_START_LINE_WAIT, max(self.deadline - time.monotonic(), 0)))
-                self._gate = ConnectionGate(self._arrived, self.deadline)
-            self._go.set()
+    def expect_workers(self, started: int) -> None:
+        """Say how many workers were started (their first connections are held until all have one)."""
+        self._gate.expect(started)
 
     def run(self, transport: Transport) -> None:
-        """Worker loop: claim a pair, wait at the start line, then flush pairs until none is
-        left or the batch is given up. Claiming before the start line puts every pair (up to
-        the worker count) in flight at once; the gate keeps each first connection checked
-        out until every worker at the line has one, so the pool grows to the pairs in flight."""
+        """Worker loop: flush pairs until none is left or the batch is given up.
+
+        A worker claims its first pair as it starts, so every pair (up to the worker count)
+        is in flight at once, and holds that first connection until every worker has one, so
+        the pool grows to the pairs in flight and the next call opens no new connection.
+        """
         with self._cond:
-            self._arrived += 1
-            at_start_line = not self._go.is_set()
             index = self._claim()
-            self._cond.notify_all()
-        self._go.wait(max(self.deadline - time.monotonic(), 0))
-        if index is not None and at_start_line:
+        if index is not None:
             first = self._calls[index]
             assert first is not None
             first.gate = self._gate
@@ -131,9 +121,7 @@ class _Batch:
             if self._stop_reason is None:
                 self._stop_reason = reason
             self._cond.notify_all()
-            gate = self._gate
-        if gate is not None:
-            gate.open()
+        self._gate.open()
 
     def wait(self, started: float) -> tuple[FlushResult, ...]:
         """Block until all pairs are done or the deadline passes; fail what is unfinished."""
@@ -148,9 +136,7 @@ class _Batch:
             reason = self._stop_reason
             unfinished = [i for i, result in enumerate(self.results) if result is None]
             calls = list(self._calls)
-            gate = self._gate
-        if gate is not None:
-            gate.open()
+        self._gate.open()
         now = time.monotonic()
         for index in unfinished:
             call = calls[index]
@@ -275,7 +261,7 @@ class Flusher:
             try:
                 self._start_workers(batch, min(len(pairs), self._max_workers), use_executor)
             except BaseException:
-                batch.release_workers()  # never leave started workers waiting
+                batch.expect_workers(0)  # never leave started workers waiting
                 raise
             results = batch.wait(started)
         finally:
@@ -292,7 +278,7 @@ class Flusher:
                 for _ in range(count):
                     self._executor.submit(self._work, batch)
                     started += 1
-                batch.release_workers(started)
+                batch.expect_workers(started)
                 return
             except RuntimeError:  # interpreter shutdown: the executor refuses new work
                 pass
@@ -303,7 +289,7 @@ class Flusher:
             except RuntimeError:  # "can't create new thread at interpreter shutdown" (3.12)
                 break
             started += 1
-        batch.release_workers(started)
+        batch.expect_workers(started)
         if started == 0:
             self._work(batch)  # one by one in the calling thread, each bounded by the deadline
 

@@ -63,35 +63,45 @@ _local = threading.local()
 
 
 class ConnectionGate:
-    """Holds the connections of a call's first round of workers until each of them has one.
+    """Holds each worker's first connection until every worker of the call holds one.
 
     Without it, a worker whose request ends before another worker starts hands its
     connection over, the call opens fewer connections than it has pairs in flight, and a
-    later call with better overlap opens new ones. Waits end at the deadline or ``open()``.
+    later call with better overlap opens new ones. A wait ends when every expected worker
+    has arrived, at ``open()``, or at the latest ``patience`` seconds after the workers were
+    counted (a busy shared executor may not run them all yet) and never past the deadline.
     """
 
-    def __init__(self, size: int, deadline: float) -> None:
-        self._pending = size
+    def __init__(self, deadline: float, patience: float) -> None:
+        self._arrived = 0
+        self._expected: int | None = None
         self._deadline = deadline
+        self._patience = patience
         self._cond = threading.Condition(threading.Lock())
 
-    def arrive(self) -> None:
-        """One first-round worker holds a connection (or finished without needing one)."""
+    def expect(self, workers: int) -> None:
+        """Say how many workers were started."""
         with self._cond:
-            self._pending -= 1
-            if self._pending <= 0:
-                self._cond.notify_all()
+            self._expected = workers
+            self._deadline = min(self._deadline, time.monotonic() + self._patience)
+            self._cond.notify_all()
+
+    def arrive(self) -> None:
+        """One worker holds its first connection (or finished without needing one)."""
+        with self._cond:
+            self._arrived += 1
+            self._cond.notify_all()
 
     def open(self) -> None:
         """Release every waiter now."""
         with self._cond:
-            self._pending = 0
+            self._expected = 0
             self._cond.notify_all()
 
     def wait(self) -> None:
-        """Block until every first-round worker holds a connection, or the deadline."""
+        """Block until every expected worker holds a connection, or the gate's time is up."""
         with self._cond:
-            while self._pending > 0:
+            while self._expected is None or self._arrived < self._expected:
                 left = self._deadline - time.monotonic()
                 if left <= 0:
                     return
