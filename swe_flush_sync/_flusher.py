@@ -32,7 +32,7 @@ DEFAULT_BACKOFF_FACTOR: Final = 0.2
 MAX_DEADLINE: Final = 3600.0
 MAX_RETRIES: Final = 100
 MAX_WORKERS: Final = 4096
-_GATE_PATIENCE: Final = 0.5  # seconds a worker holds its first connection for workers that do not start
+_GATE_PATIENCE: Final = 0.5  # seconds first connections stay aside for workers that do not start
 
 
 def check_seconds(value: Any, name: str, maximum: float = MAX_DEADLINE) -> float:
@@ -84,15 +84,17 @@ class _Batch:
         """Worker loop: flush pairs until none is left or the batch is given up.
 
         A worker claims its first pair as it starts, so every pair (up to the worker count)
-        is in flight at once, and holds that first connection until every worker has one, so
-        the pool grows to the pairs in flight and the next call opens no new connection.
+        is in flight at once; the gate keeps first connections aside until every worker has
+        one, so the pool grows to the pairs in flight and the next call opens none.
         """
         with self._cond:
             index = self._claim()
-        if index is not None:
-            first = self._calls[index]
-            assert first is not None
-            first.gate = self._gate
+        if index is None:
+            self._gate.arrive()  # nothing left to claim: do not keep the others' connections aside
+            return
+        first = self._calls[index]
+        assert first is not None
+        first.gate = self._gate
         while index is not None:
             call = self._calls[index]
             assert call is not None
@@ -104,6 +106,12 @@ class _Batch:
                     self._done += 1
                     if self._done == len(self.pairs):
                         self._cond.notify_all()
+                more = self._stop_reason is None and self._next < len(self.pairs)
+            if call is first:
+                if not more:
+                    return
+                self._gate.wait()  # first pairs go to distinct workers: later ones reuse the pool
+            with self._cond:
                 index = self._claim()
 
     def _claim(self) -> int | None:

@@ -63,13 +63,15 @@ _local = threading.local()
 
 
 class ConnectionGate:
-    """Holds each worker's first connection until every worker of the call holds one.
+    """Keeps each worker's first connection out of the pool until every worker has one.
 
     Without it, a worker whose request ends before another worker starts hands its
     connection over, the call opens fewer connections than it has pairs in flight, and a
-    later call with better overlap opens new ones. A wait ends when every expected worker
-    has arrived, at ``open()``, or at the latest ``patience`` seconds after the workers were
-    counted (a busy shared executor may not run them all yet) and never past the deadline.
+    later call with better overlap opens new ones. The worker is not held up: its connection
+    waits aside and goes back to the pool when every expected worker holds one, at
+    ``open()``, or ``patience`` seconds after the workers were counted (a busy shared
+    executor may not run them all yet), whichever comes first. A worker's later pairs
+    ``wait()`` for that, so the pool never grows past the workers.
     """
 
     def __init__(self, deadline: float, patience: float) -> None:
@@ -77,6 +79,7 @@ class ConnectionGate:
         self._expected: int | None = None
         self._deadline = deadline
         self._patience = patience
+        self._aside: list[tuple[_GatedPoolMixin, Any]] | None = []  # None once open
         self._cond = threading.Condition(threading.Lock())
 
     def expect(self, workers: int) -> None:
@@ -84,28 +87,48 @@ class ConnectionGate:
         with self._cond:
             self._expected = workers
             self._deadline = min(self._deadline, time.monotonic() + self._patience)
-            self._cond.notify_all()
+            self._cond.notify_all()  # waiters recompute their time
+        self._open_if_due()
 
     def arrive(self) -> None:
         """One worker holds its first connection (or finished without needing one)."""
         with self._cond:
             self._arrived += 1
-            self._cond.notify_all()
+        self._open_if_due()
+
+    def hold(self, pool: _GatedPoolMixin, connection: Any) -> bool:
+        """Keep ``connection`` aside while the gate is shut; False when it is open."""
+        self._open_if_due()
+        with self._cond:
+            if self._aside is None:
+                return False
+            self._aside.append((pool, connection))
+            return True
 
     def open(self) -> None:
-        """Release every waiter now."""
+        """Put every connection kept aside back into its pool now."""
         with self._cond:
-            self._expected = 0
+            aside, self._aside = self._aside, None
             self._cond.notify_all()
+        for pool, connection in aside or ():
+            pool.return_connection(connection)
 
     def wait(self) -> None:
-        """Block until every expected worker holds a connection, or the gate's time is up."""
+        """Block while the gate is shut (at most until its time is up)."""
         with self._cond:
-            while self._expected is None or self._arrived < self._expected:
+            while self._aside is not None:
                 left = self._deadline - time.monotonic()
                 if left <= 0:
-                    return
+                    break
                 self._cond.wait(left)
+        self.open()  # a no-op when already open; else the gate's time is up
+
+    def _open_if_due(self) -> None:
+        with self._cond:
+            due = self._aside is not None and self._expected is not None and (
+                self._arrived >= self._expected or time.monotonic() >= self._deadline)
+        if due:
+            self.open()
 
 
 class PairCall:
@@ -278,12 +301,18 @@ class _TrackedHTTPSConnection(_TrackedConnectionMixin, HTTPSConnection):
 
 
 class _GatedPoolMixin:
-    """Returns a first-round worker's connection to the pool only once its gate opens."""
+    """Lets the gate of a worker's first pair keep that connection aside (see ConnectionGate)."""
 
     def _put_conn(self, conn: Any) -> None:
         call = _current_call()
         if call is not None and call.gate is not None:
-            call.gate.wait()
+            gate, call.gate = call.gate, None  # only the first connection a pair puts back
+            if gate.hold(self, conn):
+                return
+        super()._put_conn(conn)  # type: ignore[misc]
+
+    def return_connection(self, conn: Any) -> None:
+        """Put a connection kept aside back into the pool."""
         super()._put_conn(conn)  # type: ignore[misc]
 
 
