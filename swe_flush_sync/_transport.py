@@ -135,12 +135,13 @@ class PairCall:
     """The state of one (url, id) flush, shared by its worker and the calling thread."""
 
     __slots__ = ("deadline", "failed_attempts", "gave_up", "next_wait", "stop_reason", "gate", "_at_gate",
-                 "_connections", "_lock", "_finished")
+                 "_held", "_connections", "_lock", "_finished")
 
     def __init__(self, deadline: float) -> None:
         self.deadline = deadline
         self.gate: ConnectionGate | None = None  # set on a worker's first pair only
         self._at_gate = False
+        self._held = False
         self.failed_attempts = 0  # attempts Retry.increment was called for
         self.gave_up = False  # the last increment stopped retrying
         self.next_wait = 0.0
@@ -163,16 +164,22 @@ class PairCall:
         with self._lock:
             if not self._finished:
                 self._connections.add(connection)
-        self._pass_gate()
+        self.pass_gate()
 
     def finish(self) -> None:
         """Mark the pair done: ``interrupt`` no longer touches its connections."""
         with self._lock:
             self._finished = True
             self._connections.clear()
-        self._pass_gate()
+        self.pass_gate()
 
-    def _pass_gate(self) -> None:
+    def hold_first_connection(self) -> bool:
+        """True the first time only: just the first connection a pair puts back is held aside."""
+        first, self._held = not self._held, True
+        return first
+
+    def pass_gate(self) -> None:
+        """Count this pair at its gate once: it holds a connection or finished without one."""
         if self.gate is not None and not self._at_gate:
             self._at_gate = True
             self.gate.arrive()
@@ -305,9 +312,9 @@ class _GatedPoolMixin:
 
     def _put_conn(self, conn: Any) -> None:
         call = _current_call()
-        if call is not None and call.gate is not None:
-            gate, call.gate = call.gate, None  # only the first connection a pair puts back
-            if gate.hold(self, conn):
+        if call is not None and call.gate is not None and call.hold_first_connection():
+            call.pass_gate()  # it holds a connection, whatever happened before
+            if call.gate.hold(self, conn):
                 return
         super()._put_conn(conn)  # type: ignore[misc]
 
