@@ -23,7 +23,6 @@ from ._errors import ConfigError, FlushError
 from ._flusher import DEFAULT_DEADLINE, Flusher, check_seconds
 from ._report import FlushReport
 from ._resolve import resolve_admin_secret, resolve_instance_ids, resolve_server_urls
-from ._transport import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -132,10 +131,10 @@ async def abort_async(args: Any, *, environ: Mapping[str, str] | None = None, **
 
 
 def _prepare_hook(options: Mapping[str, Any]) -> None:
-    """Validate hook options now (a bad one raises at install) and warm the request path."""
+    """Validate hook options now (a bad one raises at install). Building the Flusher also
+    prepares a request once, so nothing is imported lazily when the hook runs."""
     _new_flusher("http://127.0.0.1", options.get("admin_secret"),
                  {k: v for k, v in options.items() if k != "admin_secret"}).close()
-    warm_up()
 
 
 def _flush_stdio() -> None:

@@ -536,14 +536,3 @@ def describe_exception(exc: BaseException) -> str:
     if isinstance(reason, (Urllib3HTTPError, requests.RequestException, OSError)):
         return f"request failed ({type(reason).__name__})"
     return f"unexpected {type(reason).__name__}"
-
-
-def warm_up() -> None:
-    """Build a Transport and a request once, so no lazy import happens in a signal handler."""
-    transport = Transport(("http://127.0.0.1",), admin_secret="x", pool_maxsize=1, retries=0, backoff_factor=0.1,
-                          connect_timeout=1.0)
-    try:
-        transport._prepare("http://127.0.0.1", b"{}")
-        json.loads(b'{"cancelled": 0}')
-    finally:
-        transport.close()

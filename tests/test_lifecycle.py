@@ -66,6 +66,13 @@ class Child:
             self.signalled = sent
         return sent
 
+    def signal_at(self, marker: str = "READY") -> tuple[int, float, float, str, str]:
+        """Wait for ``marker``, send SIGTERM, wait for the exit: (code, sent, ended, out, err)."""
+        self.wait_for(marker)
+        sent = self.kill()
+        code, ended, out, err = self.finish()
+        return code, sent, ended, out, err
+
     def finish(self, timeout: float = 30) -> tuple[int, float, str, str]:
         out, err = self.proc.communicate(timeout=timeout)
         ended = time.monotonic()
@@ -84,9 +91,7 @@ def test_sigterm_flushes_ids_set_after_install_and_dies_of_it(stub: AgentServerS
         flush_on_signal(args, deadline=5)
         fill_ids(); ready(); time.sleep(30)
     """)
-    child.wait_for("READY")
-    sent = child.kill()
-    code, ended, out, err = child.finish()
+    code, sent, ended, out, err = child.signal_at()
     assert code == -signal.SIGTERM, err
     assert_each_id_flushed_once(stub)
     assert {r.authorization for r in stub.requests} == {f"Bearer {SECRET}"}
@@ -102,9 +107,7 @@ def test_previous_python_handler_runs_after_the_flush(stub: AgentServerStub) -> 
         hook = flush_on_signal(args, deadline=5)
         fill_ids(); ready(); time.sleep(30)
     """)
-    child.wait_for("READY")
-    child.kill()
-    code, _, out, err = child.finish()
+    code, _, _, out, err = child.signal_at()
     assert code == 7, err
     assert f"PREVIOUS {int(signal.SIGTERM)} True 3" in out
     assert_each_id_flushed_once(stub)
@@ -119,9 +122,7 @@ def test_previous_sig_ign_keeps_process_running(stub: AgentServerStub) -> None:
             time.sleep(0.01)
         print("ALIVE", hook.report.ok, flush=True)
     """)
-    child.wait_for("READY")
-    child.kill()
-    code, _, out, err = child.finish()
+    code, _, _, out, err = child.signal_at()
     assert code == 0, err
     assert "ALIVE True" in out
     assert_each_id_flushed_once(stub)
@@ -133,9 +134,7 @@ def test_hung_server_still_dies_within_deadline_plus_one_second(stub: AgentServe
         flush_on_signal(args, deadline=2)
         fill_ids(); ready(); time.sleep(30)
     """)
-    child.wait_for("READY")
-    sent = child.kill()
-    code, ended, _, err = child.finish()
+    code, sent, ended, _, err = child.signal_at()
     assert code == -signal.SIGTERM, err
     assert ended - sent < 2 + 1, ended - sent
     assert Counter(stub.flushed_ids()) == Counter(["inst-a", "inst-c"])
@@ -169,9 +168,7 @@ def test_signal_during_slow_logging_emit_does_not_deadlock(stub: AgentServerStub
         logging.getLogger("trainer").warning("step done")
         time.sleep(30)
     """)
-    child.wait_for("IN-EMIT")
-    sent = child.kill()
-    code, ended, _, err = child.finish()
+    code, sent, ended, _, err = child.signal_at("IN-EMIT")
     assert code == -signal.SIGTERM, err
     assert_each_id_flushed_once(stub)
     assert max(r.at for r in stub.requests) - sent < 3  # flushed within the deadline, mid-emit
@@ -186,9 +183,7 @@ def test_signal_during_an_import_does_not_deadlock(stub: AgentServerStub, tmp_pa
         import slow_module
         time.sleep(30)
     """, tmp_path=tmp_path)
-    child.wait_for("IN-IMPORT")
-    sent = child.kill()
-    code, ended, _, err = child.finish()
+    code, sent, ended, _, err = child.signal_at("IN-IMPORT")
     assert code == -signal.SIGTERM, err
     assert_each_id_flushed_once(stub)
     assert max(r.at for r in stub.requests) - sent < 3
@@ -236,9 +231,7 @@ def test_signal_flush_is_not_repeated_at_exit(stub: AgentServerStub) -> None:
         flush_at_exit(args, deadline=5)
         fill_ids(); ready(); time.sleep(30)
     """)
-    child.wait_for("READY")
-    child.kill()
-    code, _, _, err = child.finish()
+    code, _, _, _, err = child.signal_at()
     assert code == 3, err
     assert_each_id_flushed_once(stub)
 
@@ -253,9 +246,7 @@ def test_uninstall_restores_and_unregisters(stub: AgentServerStub) -> None:
         flush_at_exit(args, deadline=5).uninstall()
         fill_ids(); ready(); time.sleep(30)
     """)
-    child.wait_for("READY")
-    child.kill()
-    code, _, _, err = child.finish()
+    code, _, _, _, err = child.signal_at()
     assert code == -signal.SIGTERM, err
     assert stub.requests == []
 
