@@ -12,29 +12,36 @@ See ``Flusher`` for a reusable flusher, ``flush`` for a one-shot call, and
 
 import logging
 
+from ._auth import BearerProvider, ScopedBearer, StaticBearer
 from ._errors import ConfigError, FlushError, FlushFailed
-from ._flusher import DEFAULT_DEADLINE, Flusher, flush
+from ._flusher import Flusher, flush
 from ._lifecycle import ExitHook, SignalHook, abort, abort_async, flush_at_exit, flush_on_signal
+from ._options import DEFAULT_DEADLINE, FlushOptions
 from ._report import FlushReport, FlushResult
-from ._resolve import resolve_instance_ids, resolve_server_urls
+from ._resolve import resolve_bearer, resolve_instance_ids, resolve_server_urls
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "DEFAULT_DEADLINE",
+    "BearerProvider",
     "ConfigError",
     "ExitHook",
     "FlushError",
     "FlushFailed",
+    "FlushOptions",
     "FlushReport",
     "FlushResult",
     "Flusher",
+    "ScopedBearer",
     "SignalHook",
+    "StaticBearer",
     "abort",
     "abort_async",
     "flush",
     "flush_at_exit",
     "flush_on_signal",
+    "resolve_bearer",
     "resolve_instance_ids",
     "resolve_server_urls",
 ]

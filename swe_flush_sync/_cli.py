@@ -16,7 +16,9 @@ from typing import Any, NoReturn, TextIO
 
 from . import __version__
 from ._errors import ConfigError, FlushError
-from ._flusher import DEFAULT_DEADLINE, flush
+from ._auth import StaticBearer
+from ._flusher import flush
+from ._options import DEFAULT_DEADLINE
 from ._lifecycle import abort
 from ._report import FlushReport
 from ._resolve import (
@@ -24,7 +26,7 @@ from ._resolve import (
     SINGULAR_ATTR,
     normalize_instance_ids,
     normalize_server_urls,
-    resolve_admin_secret,
+    resolve_bearer,
     resolve_instance_ids,
     resolve_server_urls,
 )
@@ -105,10 +107,10 @@ def _run_flush(ns: argparse.Namespace) -> int:
     urls = normalize_server_urls(ns.url, "--url") if ns.url else resolve_server_urls()
     if not urls:
         raise ConfigError("no agent server URL: pass --url or set AGENT_SERVER_URL")
-    secret = _read_secret_file(ns.secret_file) if ns.secret_file else resolve_admin_secret()
+    bearer = StaticBearer(_read_secret_file(ns.secret_file), source="--secret-file") if ns.secret_file \
+        else resolve_bearer()
     ids = normalize_instance_ids([*ns.ids, *(_read_ids_json(ns.ids_json) if ns.ids_json else ())])
-    report = flush(urls, ids, admin_secret=secret, deadline=ns.deadline, max_workers=ns.workers,
-                   retries=ns.retries)
+    report = flush(urls, ids, bearer=bearer, deadline=ns.deadline, max_workers=ns.workers, retries=ns.retries)
     _print_report(report, ns.json)
     return EXIT_OK if report.ok else EXIT_FAILED
 

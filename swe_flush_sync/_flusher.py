@@ -1,181 +1,87 @@
-"""``Flusher``: owns the HTTP pool and the worker threads, and keeps the deadline.
+"""``Flusher``: one future per (server, id) pair, a deadline kept by the calling thread, single flight.
 
-The calling thread owns the deadline: it waits on a Condition until every pair is done or the
-deadline passes, then shuts down the sockets of the pairs still in flight and reports them as
-failed. It never blocks on a worker. Workers come from a ``ThreadPoolExecutor``; where it
-refuses work (interpreter shutdown) or must not be touched (a signal handler), plain daemon
-threads run the same loop, and where even those cannot start, the calling thread does.
+A flush submits one task per pair to a ``ThreadPoolExecutor`` (servers interleaved, so a
+deadline cuts every server's share alike) and waits with ``concurrent.futures.wait``. At the
+deadline it reports what is unfinished; a request still unanswered stays in flight for up to
+``linger`` seconds, and a later flush of the same pair joins it instead of sending again,
+so the server's teardown is never cut short by a second cancel.
+
+Nothing holds the process: an exception in the waiting thread (Ctrl-C) gives up the pairs in
+flight and re-raises; at interpreter shutdown, before ``concurrent.futures`` joins its
+workers, every request in flight is given up (sockets shut down); after ``os.fork()`` the
+child forgets the parent's pools and workers. Signal handlers and exit hooks run the same
+flush on plain daemon threads (``on_daemon_threads``): the executor refuses work at shutdown,
+and its locks may be held by the very code a signal interrupted.
 """
 
 from __future__ import annotations
 
-import logging
-import math
+import concurrent.futures
+import concurrent.futures.thread  # imported now: its exit hook must be registered before ours
+import dataclasses
+import os
+import queue
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Final
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
 
+from ._auth import BearerProvider, check_token
 from ._errors import ConfigError, FlushError
+from ._logs import WORKER_THREAD_PREFIX, log_report
+from ._options import (
+    DEFAULT_BACKOFF_FACTOR,
+    DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_DEADLINE,
+    DEFAULT_LINGER,
+    DEFAULT_RETRIES,
+    FlushOptions,
+    check_seconds,
+)
 from ._report import FlushReport, FlushResult
 from ._resolve import normalize_instance_ids, normalize_server_urls
-from ._transport import ConnectionGate, PairCall, Transport
+from ._transport import Request, Transport
 
-log = logging.getLogger(__name__)
-
-DEFAULT_DEADLINE: Final = 10.0
-DEFAULT_RETRIES: Final = 3
-DEFAULT_MAX_WORKERS: Final = 256
-DEFAULT_CONNECT_TIMEOUT: Final = 3.0
-DEFAULT_BACKOFF_FACTOR: Final = 0.2
-MAX_DEADLINE: Final = 3600.0
-MAX_RETRIES: Final = 100
-MAX_WORKERS: Final = 4096
-_GATE_PATIENCE: Final = 0.5  # seconds first connections stay aside for workers that do not start
+Pair = tuple[str, str]  # (server url, instance id)
 
 
-def check_seconds(value: Any, name: str, maximum: float = MAX_DEADLINE) -> float:
-    """``value`` as a float in (0, maximum], else ``ConfigError`` naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{name} must be a number of seconds, not {type(value).__name__}")
-    if not math.isfinite(value) or value <= 0 or value > maximum:
-        raise ConfigError(f"{name} must be > 0 and <= {maximum:g} seconds, got {value!r}")
-    return float(value)
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """A request some flush sent for a pair, and the future of its result."""
+
+    future: Future[FlushResult]
+    request: Request
 
 
-def _check_count(value: Any, name: str, minimum: int, maximum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} must be an int, not {type(value).__name__}")
-    if not minimum <= value <= maximum:
-        raise ConfigError(f"{name} must be between {minimum} and {maximum}, got {value}")
-    return value
+@dataclass(frozen=True, slots=True)
+class _Engine:
+    """The HTTP pool and the executor; built on first use, and again in a forked child."""
 
-
-def _check_secret(value: Any) -> str | None:
-    if value is None or value == "":
-        return None
-    if not isinstance(value, str):
-        raise ConfigError(f"admin_secret must be a str, not {type(value).__name__}")
-    if not all(" " <= ch <= "~" for ch in value):
-        raise ConfigError("admin_secret must be printable ASCII (it is sent in an HTTP header)")
-    return value
-
-
-class _Batch:
-    """The pairs of one flush call, their results, and the signal that they are done."""
-
-    def __init__(self, pairs: Sequence[tuple[str, str]], deadline: float) -> None:
-        self.pairs = pairs
-        self.deadline = deadline
-        self.results: list[FlushResult | None] = [None] * len(pairs)
-        self._calls: list[PairCall | None] = [None] * len(pairs)
-        self._next = 0
-        self._done = 0
-        self._stop_reason: str | None = None
-        self._cond = threading.Condition(threading.Lock())
-        self._gate = ConnectionGate(deadline, _GATE_PATIENCE)
-
-    def expect_workers(self, started: int) -> None:
-        """Say how many workers were started (their first connections are held until all have one)."""
-        self._gate.expect(started)
-
-    def run(self, transport: Transport) -> None:
-        """Worker loop: flush pairs until none is left or the batch is given up.
-
-        A worker claims its first pair as it starts, so every pair (up to the worker count)
-        is in flight at once; the gate keeps first connections aside until every worker has
-        one, so the pool grows to the pairs in flight and the next call opens none.
-        """
-        with self._cond:
-            index = self._claim()
-        if index is None:
-            self._gate.arrive()  # nothing left to claim: do not keep the others' connections aside
-            return
-        first = self._calls[index]
-        assert first is not None
-        first.gate = self._gate
-        while index is not None:
-            call = self._calls[index]
-            assert call is not None
-            url, instance_id = self.pairs[index]
-            result = transport.post(url, instance_id, call)
-            with self._cond:
-                if self._stop_reason is None:
-                    self.results[index] = result
-                    self._done += 1
-                    if self._done == len(self.pairs):
-                        self._cond.notify_all()
-                more = self._stop_reason is None and self._next < len(self.pairs)
-            if call is first:
-                if not more:
-                    return
-                self._gate.wait()  # first pairs go to distinct workers: later ones reuse the pool
-            with self._cond:
-                index = self._claim()
-
-    def _claim(self) -> int | None:
-        """The next unclaimed pair (its PairCall created), or None; call with the lock held."""
-        if self._stop_reason is not None or self._next >= len(self.pairs):
-            return None
-        index = self._next
-        self._next += 1
-        self._calls[index] = PairCall(self.deadline)
-        return index
-
-    def stop(self, reason: str) -> None:
-        """Give the batch up now (its waiting caller returns at once)."""
-        with self._cond:
-            if self._stop_reason is None:
-                self._stop_reason = reason
-            self._cond.notify_all()
-        self._gate.open()
-
-    def wait(self, started: float) -> tuple[FlushResult, ...]:
-        """Block until all pairs are done or the deadline passes; fail what is unfinished."""
-        with self._cond:
-            while self._done < len(self.pairs) and self._stop_reason is None:
-                left = self.deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(left)
-            if self._stop_reason is None and self._done < len(self.pairs):
-                self._stop_reason = "deadline passed"
-            reason = self._stop_reason
-            unfinished = [i for i, result in enumerate(self.results) if result is None]
-            calls = list(self._calls)
-        self._gate.open()
-        now = time.monotonic()
-        for index in unfinished:
-            call = calls[index]
-            url, instance_id = self.pairs[index]
-            if call is None:
-                error, attempts = f"{reason} before it was sent", 0
-            else:
-                call.interrupt()
-                error, attempts = f"{reason} while in flight", call.attempts
-            self.results[index] = FlushResult(url, instance_id, ok=False, attempts=attempts,
-                                              elapsed=now - started, error=error)
-        return tuple(result for result in self.results if result is not None)
+    transport: Transport
+    executor: ThreadPoolExecutor
 
 
 class Flusher:
     """Flushes instance ids on agent servers in parallel, within a deadline; reusable.
 
-    Keeps one ``requests.Session`` (pool sized to ``max_workers``, so no connection is ever
-    discarded) and one ``ThreadPoolExecutor`` warm across calls: build it once and call
-    ``flush`` every rollout step. Thread-safe; a context manager.
+    Keeps one ``requests.Session`` (pool sized to the workers, so a warm Flusher opens no
+    new connection) and one ``ThreadPoolExecutor`` across calls: build it once and call
+    ``flush`` every rollout step. Thread-safe, fork-safe; a context manager.
 
     Args:
         server_urls: an agent server URL, a comma-separated list, or a sequence of URLs.
-        admin_secret: sent as ``Authorization: Bearer <secret>``; None or "" sends none.
+        admin_secret: a static bearer secret, sent as ``Authorization: Bearer <secret>``.
+        bearer: a bearer provider instead (instance id -> token), e.g. ``ScopedBearer``.
         max_workers: pairs in flight at once; default one per pair, up to 256.
-        retries: retries after the first attempt on connection errors and 429/5xx (so at
-            most ``retries + 1`` attempts); 0 disables retrying.
+        retries: retries after the first attempt on connection errors and 429/5xx.
         deadline: default seconds a ``flush`` may take (10 s); at most 3600.
-        connect_timeout: seconds one TCP connect may take (also clamped to the deadline).
-        backoff_factor: exponential backoff base in seconds (with as much random jitter);
-            the first retry is immediate.
+        connect_timeout: seconds one TCP connect may take (also clamped to the time left).
+        backoff_factor: exponential backoff base in seconds (with as much random jitter).
+        linger: seconds a request unanswered at the deadline stays in flight (default 120;
+            0 cuts it at the deadline). See ``FlushOptions``.
 
     Raises:
         ConfigError: an option is invalid; the message names it.
@@ -184,8 +90,8 @@ class Flusher:
         >>> with Flusher("http://agent:8000", admin_secret=secret) as flusher:  # doctest: +SKIP
         ...     report = flusher.flush(["inst-1", "inst-2"], deadline=5)
 
-    Not guaranteed: a worker blocked in a DNS lookup can outlive the deadline by the
-    resolver's own timeout; its result is already reported as failed.
+    Not guaranteed: a worker blocked in a DNS lookup or a TCP connect can outlive the
+    deadline by the resolver's timeout or ``connect_timeout``; its pair is already reported.
     """
 
     def __init__(
@@ -193,33 +99,35 @@ class Flusher:
         server_urls: str | Sequence[str],
         *,
         admin_secret: str | None = None,
+        bearer: BearerProvider | None = None,
         max_workers: int | None = None,
         retries: int = DEFAULT_RETRIES,
         deadline: float = DEFAULT_DEADLINE,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         backoff_factor: float = DEFAULT_BACKOFF_FACTOR,
+        linger: float = DEFAULT_LINGER,
     ) -> None:
-        self._urls = normalize_server_urls(server_urls)
-        self._secret = _check_secret(admin_secret)
-        self._max_workers = DEFAULT_MAX_WORKERS if max_workers is None else _check_count(
-            max_workers, "max_workers", 1, MAX_WORKERS)
-        self._retries = _check_count(retries, "retries", 0, MAX_RETRIES)
-        self._deadline = check_seconds(deadline, "deadline")
-        self._connect_timeout = check_seconds(connect_timeout, "connect_timeout")
-        if isinstance(backoff_factor, bool) or not isinstance(backoff_factor, (int, float)) \
-                or not 0 <= backoff_factor <= 60:
-            raise ConfigError(f"backoff_factor must be a number from 0 to 60, got {backoff_factor!r}")
-        self._transport = Transport(self._urls, admin_secret=self._secret, pool_maxsize=self._max_workers,
-                                    retries=self._retries, backoff_factor=float(backoff_factor),
-                                    connect_timeout=self._connect_timeout)
-        self._executor = ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix="swe-flush")
-        self._lock = threading.RLock()  # re-entrant: a signal handler may run while it is held
-        self._active: set[_Batch] = set()
-        # Workers never take self._lock: a signal may interrupt the main thread holding it, and
-        # the handler's own flush then waits for its workers.
-        self._busy_lock = threading.Lock()
-        self._busy = 0  # workers inside a batch
+        options = FlushOptions(deadline=deadline, retries=retries, max_workers=max_workers,
+                               connect_timeout=connect_timeout, backoff_factor=backoff_factor, linger=linger,
+                               admin_secret=admin_secret, bearer=bearer)
+        self._setup(normalize_server_urls(server_urls), options)
+
+    @classmethod
+    def from_options(cls, server_urls: str | Sequence[str], options: FlushOptions) -> Flusher:
+        """A Flusher for ``server_urls`` with ready-made ``options``."""
+        flusher = cls.__new__(cls)
+        flusher._setup(normalize_server_urls(server_urls), options)
+        return flusher
+
+    def _setup(self, urls: tuple[str, ...], options: FlushOptions) -> None:
+        self._urls = urls
+        self._options = options
+        self._bearer = options.bearer_provider
+        self._lock = threading.RLock()  # re-entrant: a signal handler may flush while it is held
+        self._inflight: dict[Pair, _Pending] = {}
+        self._engine: _Engine | None = None
         self._closed = False
+        _live.add(self)
 
     @property
     def server_urls(self) -> tuple[str, ...]:
@@ -227,13 +135,26 @@ class Flusher:
         return self._urls
 
     @property
+    def options(self) -> FlushOptions:
+        """The validated options."""
+        return self._options
+
+    @property
     def deadline(self) -> float:
         """The default deadline of ``flush``, in seconds."""
-        return self._deadline
+        return self._options.deadline
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close`` was called."""
+        return self._closed
 
     def flush(self, instance_ids: str | Iterable[str] | Mapping[Any, str], *,
               deadline: float | None = None) -> FlushReport:
         """POST ``/flush`` for every (server, id) pair in parallel; return within the deadline.
+
+        A pair whose earlier request is still in flight (lingering) is not sent again: this
+        call waits on that request and reports its answer, with ``joined=True``.
 
         Args:
             instance_ids: one id, an iterable of ids, or a Mapping whose values are ids;
@@ -241,8 +162,8 @@ class Flusher:
             deadline: seconds for this call; the Flusher's default when None.
 
         Returns:
-            A ``FlushReport`` with one result per pair, URL-major. Pairs unfinished at the
-            deadline are failed with an error saying so. Nothing to flush: an empty ok report.
+            A ``FlushReport``, one result per pair, server-major. Pairs unfinished at the
+            deadline fail with an error saying so. Nothing to flush: an empty ok report.
 
         Raises:
             ConfigError: a bad id or deadline.
@@ -251,87 +172,159 @@ class Flusher:
         The call returns within ``deadline`` plus a few milliseconds whatever the servers do.
         """
         ids = normalize_instance_ids(instance_ids)
-        budget = self._deadline if deadline is None else check_seconds(deadline, "deadline")
-        return self._flush_ids(ids, budget, use_executor=True)
+        budget = self._options.deadline if deadline is None else check_seconds(deadline, "deadline")
+        report = self.flush_ids(ids, budget)
+        log_report(report)
+        return report
 
-    def _flush_ids(self, ids: tuple[str, ...], budget: float, *, use_executor: bool) -> FlushReport:
-        """``flush`` of validated ids; ``use_executor=False`` runs plain daemon threads instead."""
+    def flush_ids(self, ids: tuple[str, ...], budget: float, *, on_daemon_threads: bool = False) -> FlushReport:
+        """``flush`` of validated ids, without logging; ``on_daemon_threads`` for signal and exit hooks."""
         started = time.monotonic()
-        pairs = [(url, instance_id) for url in self._urls for instance_id in ids]
-        if not pairs:
-            return FlushReport(results=(), elapsed=time.monotonic() - started)
-        batch = _Batch(pairs, started + budget)
+        expires_at = started + budget
+        # Dispatch interleaves servers, so that a deadline cuts every server's share alike.
+        dispatch = [(url, instance_id) for instance_id in ids for url in self._urls]
+        if not dispatch:
+            return FlushReport(elapsed=time.monotonic() - started)
         with self._lock:
             if self._closed:
                 raise FlushError("this Flusher is closed")
-            self._active.add(batch)
+            waiting, ready = self._dispatch(dispatch, expires_at, on_daemon_threads)
         try:
-            try:
-                self._start_workers(batch, min(len(pairs), self._max_workers), use_executor)
-            except BaseException:
-                batch.expect_workers(0)  # never leave started workers waiting
-                raise
-            results = batch.wait(started)
-        finally:
-            with self._lock:
-                self._active.discard(batch)
-        report = FlushReport(results=results, elapsed=time.monotonic() - started)
-        _log_report(report)
-        return report
+            concurrent.futures.wait([pending.future for pending, _ in waiting.values()],
+                                    timeout=max(expires_at - time.monotonic(), 0))
+        except BaseException:  # Ctrl-C or any other exception here: give the pairs up, re-raise
+            for pending, _ in waiting.values():
+                self._give_up(pending, "interrupted")
+            raise
+        results = tuple(
+            ready.get(pair) or self._outcome(pair, *waiting[pair], started)
+            for pair in ((url, instance_id) for url in self._urls for instance_id in ids)
+        )
+        return FlushReport(results=results, elapsed=time.monotonic() - started)
 
-    def _start_workers(self, batch: _Batch, count: int, use_executor: bool) -> None:
-        started = 0
-        if use_executor:
+    def _dispatch(self, dispatch: list[Pair], expires_at: float,
+                  on_daemon_threads: bool) -> tuple[dict[Pair, tuple[_Pending, bool]], dict[Pair, FlushResult]]:
+        """Join or send every pair: (pair -> (pending, joined)), and the pairs failed up front."""
+        waiting: dict[Pair, tuple[_Pending, bool]] = {}
+        ready: dict[Pair, FlushResult] = {}
+        fresh: list[tuple[Pair, str | None, Request]] = []
+        self._forget_finished()
+        for pair in dispatch:
+            pending = self._inflight.get(pair)
+            if pending is not None:  # single flight: an earlier request is still out
+                waiting[pair] = (pending, True)
+                continue
             try:
-                for _ in range(count):
-                    self._executor.submit(self._work, batch)
-                    started += 1
-                batch.expect_workers(started)
-                return
+                authorization = self._authorization(pair[1])
+            except ConfigError as exc:
+                ready[pair] = FlushResult(*pair, ok=False, error=str(exc))
+                continue
+            fresh.append((pair, authorization, Request(expires_at, expires_at + self._options.linger)))
+        futures = self._submit(fresh, on_daemon_threads)
+        for (pair, _, request), future in zip(fresh, futures):
+            pending = _Pending(future, request)
+            self._inflight[pair] = pending
+            waiting[pair] = (pending, False)
+        return waiting, ready
+
+    def _authorization(self, instance_id: str) -> str | None:
+        if self._bearer is None:
+            return None
+        try:
+            token = self._bearer(instance_id)
+        except ConfigError:
+            raise
+        except Exception as exc:  # a user's provider; its message could hold anything
+            raise ConfigError(f"the bearer provider raised {type(exc).__name__}") from None
+        return "Bearer " + check_token(token, "the bearer provider's token")
+
+    def _submit(self, fresh: list[tuple[Pair, str | None, Request]], on_daemon_threads: bool) -> list[Future[FlushResult]]:
+        engine = self._engine_now()
+        calls = [_bind(engine.transport, pair, authorization, request) for pair, authorization, request in fresh]
+        futures: list[Future[FlushResult]] = []
+        if not on_daemon_threads:
+            try:
+                for call in calls:
+                    futures.append(engine.executor.submit(call))
             except RuntimeError:  # interpreter shutdown: the executor refuses new work
                 pass
-        for _ in range(count - started):
-            thread = threading.Thread(target=self._work, args=(batch,), name="swe-flush", daemon=True)
-            try:
-                thread.start()
-            except RuntimeError:  # "can't create new thread at interpreter shutdown" (3.12)
-                break
-            started += 1
-        batch.expect_workers(started)
-        if started == 0:
-            self._work(batch)  # one by one in the calling thread, each bounded by the deadline
+        return futures + _run_on_daemon_threads(calls[len(futures):], self._options.workers)
 
-    def _work(self, batch: _Batch) -> None:
-        with self._busy_lock:
-            self._busy += 1
-        try:
-            batch.run(self._transport)
-        finally:
-            with self._busy_lock:
-                self._busy -= 1
+    def _outcome(self, pair: Pair, pending: _Pending, joined: bool, started: float) -> FlushResult:
+        future = pending.future
+        if future.done() and not future.cancelled():
+            result = future.result()
+            return dataclasses.replace(result, joined=True) if joined else result
+        elapsed = time.monotonic() - started
+        request = pending.request
+        reason = request.abandon_reason if request.abandoned.is_set() else "deadline passed"
+        if future.cancel() or future.cancelled():  # never started
+            return FlushResult(*pair, ok=False, elapsed=elapsed, error=f"{reason} before it was sent", joined=joined)
+        if request.abandoned.is_set() or self._options.linger == 0:
+            self._give_up(pending, reason)
+            error = f"{reason} while in flight"
+        else:
+            error = f"deadline passed while in flight (left in flight for up to {self._options.linger:g}s)"
+        return FlushResult(*pair, ok=False, attempts=request.attempts, elapsed=elapsed, error=error, joined=joined)
+
+    @staticmethod
+    def _give_up(pending: _Pending, reason: str) -> None:
+        pending.future.cancel()
+        pending.request.abandon(reason)
+
+    def _forget_finished(self) -> None:
+        """Drop finished requests from the in-flight map; give up those past their linger."""
+        now = time.monotonic()
+        for pair, pending in list(self._inflight.items()):
+            if pending.future.done():
+                del self._inflight[pair]
+            elif pending.request.expires_at <= now:  # a peer that trickles bytes for ever
+                self._give_up(pending, "linger ran out")
+                del self._inflight[pair]
+
+    def _engine_now(self) -> _Engine:
+        if self._engine is None:
+            options = self._options
+            transport = Transport(self._urls, pool_maxsize=options.workers, retries=options.retries,
+                                  backoff_factor=options.backoff_factor, connect_timeout=options.connect_timeout)
+            executor = ThreadPoolExecutor(max_workers=options.workers, thread_name_prefix=WORKER_THREAD_PREFIX)
+            self._engine = _Engine(transport, executor)
+        return self._engine
+
+    def warm_up(self) -> None:
+        """Build the pool and a request now, so that nothing is imported lazily later."""
+        with self._lock:
+            engine = self._engine_now()
+        for url in self._urls:
+            engine.transport.prepare(url, "warm-up", None)
+
+    def abandon_in_flight(self, reason: str) -> None:
+        """Give up every request in flight or lingering now (sockets shut down). Lock-free."""
+        for pending in self._inflight.copy().values():
+            self._give_up(pending, reason)
 
     def close(self) -> None:
-        """Release the pool and the workers; a flush still running returns at once.
+        """Give up every request in flight and release the pool and the workers; never waits.
 
-        Never waits for a worker still blocked past its deadline.
+        A flush running in another thread returns at once with its pairs failed.
         """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            batches = list(self._active)
-        with self._busy_lock:
-            idle = self._busy == 0 and not batches
-        for batch in batches:
-            batch.stop("the Flusher was closed")
-        # Joining idle workers is immediate; a straggler past its deadline is never waited for.
-        self._executor.shutdown(wait=idle, cancel_futures=True)
-        self._transport.close()
+            engine, self._engine = self._engine, None
+            self.abandon_in_flight("the Flusher was closed")
+            self._inflight.clear()
+        _live.discard(self)
+        if engine is not None:
+            engine.executor.shutdown(wait=False, cancel_futures=True)
+            engine.transport.close()
 
-    @property
-    def closed(self) -> bool:
-        """True once ``close`` was called."""
-        return self._closed
+    def _forget_after_fork(self) -> None:
+        """In a forked child: the parent's pool, workers, sockets and locks are not ours."""
+        self._lock = threading.RLock()
+        self._inflight = {}
+        self._engine = None
 
     def __enter__(self) -> Flusher:
         return self
@@ -340,29 +333,66 @@ class Flusher:
         self.close()
 
     def __repr__(self) -> str:
-        secret = "'***'" if self._secret else "None"
-        return (f"Flusher(server_urls={self._urls!r}, admin_secret={secret}, "
-                f"max_workers={self._max_workers}, retries={self._retries}, deadline={self._deadline:g})")
+        return f"Flusher(server_urls={self._urls!r}, options={self._options!r})"
 
 
-def _log_report(report: FlushReport) -> None:
-    """One INFO summary and one WARNING per failed pair, from the calling thread only."""
-    try:
-        for result in report.failed:
-            log.warning("flush of %s at %s failed: %s", result.instance_id, result.server_url, result.error)
-        log.info("%s", report.summary())
-    except Exception:  # a logging failure (say, a re-entered stream in a signal handler) is not ours to raise
-        pass
+def _bind(transport: Transport, pair: Pair, authorization: str | None, request: Request) -> Callable[[], FlushResult]:
+    return lambda: transport.post(pair[0], pair[1], authorization, request)
 
 
-def flush(server_urls: str | Sequence[str], instance_ids: str | Iterable[str] | Mapping[Any, str],
-          **options: Any) -> FlushReport:
-    """One-shot flush: build a ``Flusher`` with ``options``, flush ``instance_ids``, close it.
+def _run_on_daemon_threads(calls: list[Callable[[], FlushResult]], workers: int) -> list[Future[FlushResult]]:
+    """Run ``calls`` on up to ``workers`` plain daemon threads; in this thread where none can start."""
+    if not calls:
+        return []
+    futures: list[Future[FlushResult]] = [Future() for _ in calls]
+    tasks: queue.SimpleQueue[tuple[Future[FlushResult], Callable[[], FlushResult]]] = queue.SimpleQueue()
+    for task in zip(futures, calls):
+        tasks.put(task)
+
+    def drain() -> None:
+        while True:
+            try:
+                future, call = tasks.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                future.set_result(call())  # Transport.post never raises
+
+    started = 0
+    for _ in range(min(len(calls), workers)):
+        thread = threading.Thread(target=drain, name=f"{WORKER_THREAD_PREFIX}-daemon", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:  # "can't create new thread at interpreter shutdown" (3.12)
+            break
+        started += 1
+    if started == 0:
+        drain()  # one by one in the calling thread, each bounded by the deadline
+    return futures
+
+
+def flush(
+    server_urls: str | Sequence[str],
+    instance_ids: str | Iterable[str] | Mapping[Any, str],
+    *,
+    admin_secret: str | None = None,
+    bearer: BearerProvider | None = None,
+    max_workers: int | None = None,
+    retries: int = DEFAULT_RETRIES,
+    deadline: float = DEFAULT_DEADLINE,
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+    backoff_factor: float = DEFAULT_BACKOFF_FACTOR,
+    linger: float = 0.0,
+) -> FlushReport:
+    """One-shot flush: build a ``Flusher``, flush ``instance_ids``, close it.
+
+    The pool closes with the call, so nothing lingers: ``linger`` defaults to 0 here.
 
     Args:
         server_urls: as for ``Flusher``.
         instance_ids: as for ``Flusher.flush``.
-        **options: ``Flusher`` options (``admin_secret``, ``deadline``, ``retries``, ...).
+        admin_secret, bearer, max_workers, retries, deadline, connect_timeout, backoff_factor,
+            linger: as for ``Flusher``.
 
     Returns:
         The ``FlushReport``.
@@ -373,5 +403,30 @@ def flush(server_urls: str | Sequence[str], instance_ids: str | Iterable[str] | 
     Example:
         >>> flush("http://agent:8000", ["inst-1"], deadline=5).raise_for_failures()  # doctest: +SKIP
     """
-    with Flusher(server_urls, **options) as flusher:
+    with Flusher(server_urls, admin_secret=admin_secret, bearer=bearer, max_workers=max_workers, retries=retries,
+                 deadline=deadline, connect_timeout=connect_timeout, backoff_factor=backoff_factor,
+                 linger=linger) as flusher:
         return flusher.flush(instance_ids)
+
+
+_live: weakref.WeakSet[Flusher] = weakref.WeakSet()
+
+
+def abandon_all_in_flight(reason: str = "given up at interpreter exit") -> None:
+    """Give up every request of every live Flusher (interpreter shutdown, signal handlers)."""
+    for flusher in list(_live):
+        flusher.abandon_in_flight(reason)
+
+
+def _after_fork_in_child() -> None:
+    for flusher in list(_live):
+        flusher._forget_after_fork()
+
+
+# Runs when the main thread ends, before concurrent.futures joins its (non-daemon) workers:
+# giving every request up first lets them end at once, so a lingering request never holds
+# the process. ``threading._register_atexit`` is what concurrent.futures itself uses.
+_register_thread_exit: Callable[[Callable[[], None]], None] | None = getattr(threading, "_register_atexit", None)
+if _register_thread_exit is not None:
+    _register_thread_exit(abandon_all_in_flight)
+os.register_at_fork(after_in_child=_after_fork_in_child)

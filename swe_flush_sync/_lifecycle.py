@@ -1,56 +1,66 @@
 """Abort hooks: ``abort`` every rollout step, ``abort_async``, on a signal and at exit.
 
-All of them resolve the ids from trainer ``args`` and the servers and secret from the
-environment at the moment they run, and share one cached ``Flusher`` per configuration.
-The signal and exit paths run their workers on plain daemon threads: the executor refuses
-work at interpreter shutdown, and its locks may be held by the very code a signal interrupted.
+All of them resolve the ids from trainer ``args`` and the servers and bearer from the
+environment at the moment they run, and share one cached ``Flusher`` per configuration (so
+a per-step abort joins a request an earlier step left in flight instead of sending it again).
+The signal and exit paths give up every lingering request, flush on plain daemon threads
+with urllib3's loggers disabled, and log from a bounded thread of their own, so neither a
+logging lock nor a stalled stderr can keep the process from dying.
 """
 
 from __future__ import annotations
 
+import asyncio
 import atexit
+import dataclasses
+import functools
 import logging
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import FrameType
 from typing import Any, Final
 
+from ._auth import BearerProvider
 from ._errors import ConfigError, FlushError
-from ._flusher import DEFAULT_DEADLINE, Flusher, check_seconds
+from ._flusher import Flusher, abandon_all_in_flight
+from ._logs import log_report, run_bounded, urllib3_silenced
+from ._options import (
+    DEFAULT_BACKOFF_FACTOR,
+    DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_DEADLINE,
+    DEFAULT_LINGER,
+    DEFAULT_RETRIES,
+    FlushOptions,
+)
 from ._report import FlushReport
-from ._resolve import resolve_admin_secret, resolve_instance_ids, resolve_server_urls
+from ._resolve import URL_ENV_VARS, resolve_bearer, resolve_instance_ids, resolve_server_urls
 
 log = logging.getLogger(__name__)
 
 _CACHE_SIZE: Final = 8
+_HOOK_LOG_TIMEOUT: Final = 0.5  # seconds a signal or exit hook waits for its own logging
 _cache_lock = threading.RLock()  # re-entrant: a signal may land while abort() holds it
-_cache: dict[tuple[Any, ...], Flusher] = {}
+_cache: dict[tuple[tuple[str, ...], FlushOptions], Flusher] = {}
 
 
-class _Flags:
+class _State:
     flushed_on_signal = False
+    said_no_server = False
 
 
-def _cached_flusher(urls: tuple[str, ...], secret: str | None, options: dict[str, Any]) -> Flusher:
-    key = (urls, secret, tuple(sorted(options.items())))
+def _cached_flusher(urls: tuple[str, ...], options: FlushOptions) -> Flusher:
+    key = (urls, dataclasses.replace(options, deadline=DEFAULT_DEADLINE))  # the deadline is per call
     with _cache_lock:
         flusher = _cache.get(key)
         if flusher is None or flusher.closed:
-            flusher = _cache[key] = _new_flusher(urls, secret, options)
+            flusher = _cache[key] = Flusher.from_options(urls, key[1])
             while len(_cache) > _CACHE_SIZE:
                 _cache.pop(next(iter(_cache))).close()
         return flusher
-
-
-def _new_flusher(urls: tuple[str, ...] | str, secret: str | None, options: Mapping[str, Any]) -> Flusher:
-    try:
-        return Flusher(urls, admin_secret=secret, **options)
-    except TypeError as exc:  # an unknown option name
-        raise ConfigError(f"unknown option: {exc}") from None
 
 
 @atexit.register  # registered at import, so it runs after every exit hook registered later
@@ -62,88 +72,143 @@ def _close_cached_flushers() -> None:
         flusher.close()
 
 
-def _run_abort(args: Any, environ: Mapping[str, str] | None, options: Mapping[str, Any],
-               *, use_executor: bool) -> FlushReport:
+def _after_fork_in_child() -> None:
+    global _cache_lock
+    _cache_lock = threading.RLock()  # another thread of the parent may have held it
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _abort_report(args: Any, environ: Mapping[str, str] | None, make_options: Callable[[], FlushOptions],
+                  *, on_daemon_threads: bool) -> FlushReport:
+    """The report of one abort; never raises, never logs."""
     started = time.monotonic()
     try:
         env = os.environ if environ is None else environ
+        options = make_options()
         urls = resolve_server_urls(env)
         if not urls:
+            _say_no_server_once(on_daemon_threads)
             return FlushReport(elapsed=time.monotonic() - started)
         ids = resolve_instance_ids(args)
         if not ids:
             return FlushReport(elapsed=time.monotonic() - started)
-        flusher_options = dict(options)
-        secret = flusher_options.pop("admin_secret", None) or resolve_admin_secret(env)
-        budget = check_seconds(flusher_options.pop("deadline", DEFAULT_DEADLINE), "deadline")
-        flusher = _cached_flusher(urls, secret, flusher_options)
-        return flusher._flush_ids(ids, budget, use_executor=use_executor)
+        if options.admin_secret is None and options.bearer is None:
+            options = dataclasses.replace(options, bearer=resolve_bearer(env))
+        return _cached_flusher(urls, options).flush_ids(ids, options.deadline, on_daemon_threads=on_daemon_threads)
     except FlushError as exc:
         error = str(exc)
     except Exception as exc:  # never crash the trainer; the message could hold anything
         error = f"unexpected {type(exc).__name__} while flushing"
-    try:
-        log.warning("abort did not flush: %s", error)
-    except Exception:
-        pass
     return FlushReport(elapsed=time.monotonic() - started, error=error)
 
 
-def abort(args: Any, *, environ: Mapping[str, str] | None = None, **options: Any) -> FlushReport:
+def _say_no_server_once(on_daemon_threads: bool) -> None:
+    if _State.said_no_server or on_daemon_threads:
+        return
+    _State.said_no_server = True
+    log.info("abort: no agent server configured (%s unset); nothing is flushed", " and ".join(URL_ENV_VARS))
+
+
+def abort(
+    args: Any,
+    *,
+    environ: Mapping[str, str] | None = None,
+    admin_secret: str | None = None,
+    bearer: BearerProvider | None = None,
+    deadline: float = DEFAULT_DEADLINE,
+    retries: int = DEFAULT_RETRIES,
+    max_workers: int | None = None,
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+    backoff_factor: float = DEFAULT_BACKOFF_FACTOR,
+    linger: float = DEFAULT_LINGER,
+) -> FlushReport:
     """Flush every session-server instance of ``args`` on every agent server; never raises.
 
     The synchronous twin of the async abort hook: ids from ``args`` (see
     ``resolve_instance_ids``), servers from ``AGENT_SERVER_URL``/``SWE_AGENT_URL`` and the
-    secret from ``HARBOR_ADMIN_SECRET``/``MILES_HARBOR_AUTH_TOKEN``, all read at each call.
-    Every (url, id) pair is flushed in parallel within ``deadline`` (10 s by default).
+    bearer from the environment (see ``resolve_bearer``), all read at each call. Every
+    (server, id) pair is flushed in parallel within ``deadline`` (10 s by default).
 
-    Unlike ``flush``, it keeps one ``Flusher`` per (urls, secret, options) in a module cache
-    (a lock guards it; at most 8 are kept) so per-step aborts reuse warm connections and
-    threads; the cache is closed at interpreter exit.
+    Unlike ``flush``, it keeps one ``Flusher`` per (servers, options) in a module cache (a
+    lock guards it; at most 8 are kept, closed at interpreter exit), so per-step aborts reuse
+    warm connections and threads, and a pair still in flight from an earlier step (the
+    server is still tearing its trials down) is joined, not sent again.
 
     Args:
         args: trainer args (attributes) or a Mapping.
         environ: the environment to read instead of ``os.environ``.
-        **options: ``Flusher`` options; ``admin_secret`` overrides the environment.
+        admin_secret, bearer: override the environment's bearer (see ``FlushOptions``).
+        deadline, retries, max_workers, connect_timeout, backoff_factor, linger: see
+            ``FlushOptions``.
 
     Returns:
-        The ``FlushReport``. No URL or no ids: an empty ok report, nothing sent. A
-        configuration problem is logged as a warning and returned in ``report.error``.
+        The ``FlushReport``. No server or no ids: an empty ok report, nothing sent (no server
+        configured is said once per process at INFO). A configuration problem (a bad option
+        or environment value) is logged as one warning and returned in ``report.error``.
 
     Example:
         >>> report = abort(args)  # doctest: +SKIP
     """
-    return _run_abort(args, environ, options, use_executor=True)
+    report = _abort_report(args, environ, functools.partial(
+        FlushOptions, admin_secret=admin_secret, bearer=bearer, deadline=deadline, retries=retries, max_workers=max_workers,
+        connect_timeout=connect_timeout, backoff_factor=backoff_factor, linger=linger), on_daemon_threads=False)
+    log_report(report)
+    return report
 
 
-async def abort_async(args: Any, *, environ: Mapping[str, str] | None = None, **options: Any) -> FlushReport:
+async def abort_async(
+    args: Any,
+    *,
+    environ: Mapping[str, str] | None = None,
+    admin_secret: str | None = None,
+    bearer: BearerProvider | None = None,
+    deadline: float = DEFAULT_DEADLINE,
+    retries: int = DEFAULT_RETRIES,
+    max_workers: int | None = None,
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+    backoff_factor: float = DEFAULT_BACKOFF_FACTOR,
+    linger: float = DEFAULT_LINGER,
+) -> FlushReport:
     """``abort`` as a coroutine, run off the event-loop thread so the loop keeps serving.
 
-    A drop-in async abort hook. Cancelling the awaiting task does not stop the flush, which
-    still ends by its deadline.
+    A drop-in async abort hook (``from swe_flush_sync import abort_async as abort``). Takes
+    the same arguments as ``abort``. Cancelling the awaiting task does not stop the flush,
+    which still ends by its deadline.
 
     Example:
         >>> report = await abort_async(args, deadline=5)  # doctest: +SKIP
     """
-    import asyncio  # already imported wherever a coroutine can run
-
-    return await asyncio.to_thread(_run_abort, args, environ, options, use_executor=True)
-
-
-def _prepare_hook(options: Mapping[str, Any]) -> None:
-    """Validate hook options now (a bad one raises at install). Building the Flusher also
-    prepares a request once, so nothing is imported lazily when the hook runs."""
-    _new_flusher("http://127.0.0.1", options.get("admin_secret"),
-                 {k: v for k, v in options.items() if k != "admin_secret"}).close()
+    return await asyncio.to_thread(
+        abort, args, environ=environ, admin_secret=admin_secret, bearer=bearer, deadline=deadline, retries=retries,
+        max_workers=max_workers, connect_timeout=connect_timeout, backoff_factor=backoff_factor, linger=linger)
 
 
-def _flush_stdio() -> None:
+def _hook_flush(args: Any, environ: Mapping[str, str] | None, options: FlushOptions) -> FlushReport:
+    """The flush of a signal or exit hook: nothing lingering, nothing logged from a worker."""
+    with urllib3_silenced():
+        abandon_all_in_flight("given up by the signal or exit hook")
+        report = _abort_report(args, environ, lambda: options, on_daemon_threads=True)
+    run_bounded(lambda: _log_and_flush_stdio(report), _HOOK_LOG_TIMEOUT)
+    return report
+
+
+def _log_and_flush_stdio(report: FlushReport) -> None:
+    log_report(report)
     for stream in (sys.stdout, sys.stderr):
         try:
             if stream is not None:
                 stream.flush()
         except Exception:
             pass
+
+
+def _prepare_hook(options: FlushOptions) -> None:
+    """Validate the options now (a bad one raises at install), and build the request path
+    once, so that nothing is imported lazily when the hook runs."""
+    with Flusher.from_options("http://127.0.0.1", options) as flusher:
+        flusher.warm_up()
 
 
 class SignalHook:
@@ -154,11 +219,11 @@ class SignalHook:
     """
 
     def __init__(self, args: Any, signals: tuple[int, ...], environ: Mapping[str, str] | None,
-                 options: Mapping[str, Any]) -> None:
+                 options: FlushOptions) -> None:
         self.report: FlushReport | None = None
         self._args = args
         self._environ = environ
-        self._options = dict(options)
+        self._options = options
         self._previous: dict[int, Any] = {}
         self._flushing = False
         self._flushed = False
@@ -171,8 +236,8 @@ class SignalHook:
                 return  # a second signal during the flush: the first one hands over
             self._flushing = True
             try:
-                self.report = _run_abort(self._args, self._environ, self._options, use_executor=False)
-                _Flags.flushed_on_signal = True
+                self.report = _hook_flush(self._args, self._environ, self._options)
+                _State.flushed_on_signal = True
             finally:
                 self._flushed = True
                 self._flushing = False
@@ -186,7 +251,6 @@ class SignalHook:
             previous(signum, frame)
             return
         # SIG_DFL, or a handler not set from Python: die of the signal, as the scheduler expects
-        _flush_stdio()
         signal.signal(signum, signal.SIG_DFL)
         signal.raise_signal(signum)
 
@@ -208,22 +272,35 @@ def _require_main_thread(what: str) -> None:
         raise ConfigError(f"{what} must be called from the main thread: Python runs signal handlers only there")
 
 
-def flush_on_signal(args: Any, *, signals: Iterable[int] = (signal.SIGTERM,),
-                    environ: Mapping[str, str] | None = None, **options: Any) -> SignalHook:
+def flush_on_signal(
+    args: Any,
+    *,
+    signals: Iterable[int] = (signal.SIGTERM,),
+    environ: Mapping[str, str] | None = None,
+    admin_secret: str | None = None,
+    bearer: BearerProvider | None = None,
+    deadline: float = DEFAULT_DEADLINE,
+    retries: int = DEFAULT_RETRIES,
+    max_workers: int | None = None,
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+    backoff_factor: float = DEFAULT_BACKOFF_FACTOR,
+) -> SignalHook:
     """On the first of ``signals``, flush every instance of ``args``, then hand over.
 
-    Install it at start-up: ids, URLs and secret are read when the signal arrives. The
-    flush is bounded by ``deadline`` (keep it shorter than the scheduler's grace period).
-    Then the handler that was there before takes over: a Python callable is called with
-    ``(signum, frame)``; ``SIG_DFL`` is restored and the signal raised again, so the process
-    dies of it (exit status -15 / 143 for SIGTERM); ``SIG_IGN`` does nothing more. A signal
-    arriving during the flush starts no second flush; later signals only hand over.
+    Install it at start-up: ids, servers and bearer are read when the signal arrives. The
+    flush gives up requests earlier aborts left in flight, sends every pair again and is
+    bounded by ``deadline`` (keep it shorter than the scheduler's grace period). Then the
+    handler that was there before takes over: a Python callable is called with ``(signum,
+    frame)``; ``SIG_DFL`` is restored and the signal raised again, so the process dies of it
+    (exit status -15 / 143 for SIGTERM); ``SIG_IGN`` does nothing more. A signal arriving
+    during the flush starts no second flush; later signals only hand over.
 
     Args:
         args: trainer args (attributes) or a Mapping, read when the signal arrives.
         signals: the signals to hook.
         environ: the environment to read instead of ``os.environ``.
-        **options: ``Flusher`` options, validated now.
+        admin_secret, bearer, deadline, retries, max_workers, connect_timeout,
+            backoff_factor: as for ``abort``, validated now.
 
     Returns:
         A ``SignalHook``; ``.uninstall()`` restores the previous handlers.
@@ -235,6 +312,8 @@ def flush_on_signal(args: Any, *, signals: Iterable[int] = (signal.SIGTERM,),
         >>> hook = flush_on_signal(args, deadline=20)  # doctest: +SKIP
     """
     _require_main_thread("flush_on_signal")
+    options = FlushOptions(admin_secret=admin_secret, bearer=bearer, deadline=deadline, retries=retries,
+                           max_workers=max_workers, connect_timeout=connect_timeout, backoff_factor=backoff_factor)
     signal_tuple = tuple(signals)
     if not signal_tuple:
         raise ConfigError("signals must name at least one signal")
@@ -252,37 +331,51 @@ class ExitHook:
         report: the ``FlushReport`` of the exit flush, else None.
     """
 
-    def __init__(self, args: Any, environ: Mapping[str, str] | None, options: Mapping[str, Any]) -> None:
+    def __init__(self, args: Any, environ: Mapping[str, str] | None, options: FlushOptions) -> None:
         self.report: FlushReport | None = None
         self._args = args
         self._environ = environ
-        self._options = dict(options)
+        self._options = options
         self._done = False
         atexit.register(self._run)
 
     def _run(self) -> None:
-        if self._done or _Flags.flushed_on_signal:
+        if self._done or _State.flushed_on_signal:
             return
         self._done = True
-        self.report = _run_abort(self._args, self._environ, self._options, use_executor=False)
+        self.report = _hook_flush(self._args, self._environ, self._options)
 
     def uninstall(self) -> None:
         """Unregister the exit flush."""
         atexit.unregister(self._run)
 
 
-def flush_at_exit(args: Any, *, environ: Mapping[str, str] | None = None, **options: Any) -> ExitHook:
+def flush_at_exit(
+    args: Any,
+    *,
+    environ: Mapping[str, str] | None = None,
+    admin_secret: str | None = None,
+    bearer: BearerProvider | None = None,
+    deadline: float = DEFAULT_DEADLINE,
+    retries: int = DEFAULT_RETRIES,
+    max_workers: int | None = None,
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+    backoff_factor: float = DEFAULT_BACKOFF_FACTOR,
+) -> ExitHook:
     """Flush every instance of ``args`` once at interpreter exit (also after an unhandled error).
 
     Runs as an ``atexit`` callback. The executor refuses work then, so the pairs run in
     parallel on plain daemon threads (one by one in the calling thread where even those
-    cannot start), within ``deadline``. Skipped when a ``flush_on_signal`` hook already
-    flushed. Not run when the process dies of a signal nobody handles, or ``os._exit``.
+    cannot start), within ``deadline``. Requests earlier aborts left in flight were given up
+    when the main thread ended, so every pair is sent again. Skipped when a
+    ``flush_on_signal`` hook already flushed. Not run when the process dies of a signal
+    nobody handles, or ``os._exit``.
 
     Args:
         args: trainer args (attributes) or a Mapping, read at exit.
         environ: the environment to read instead of ``os.environ``.
-        **options: ``Flusher`` options, validated now.
+        admin_secret, bearer, deadline, retries, max_workers, connect_timeout,
+            backoff_factor: as for ``abort``, validated now.
 
     Returns:
         An ``ExitHook``; ``.uninstall()`` unregisters it.
@@ -293,5 +386,7 @@ def flush_at_exit(args: Any, *, environ: Mapping[str, str] | None = None, **opti
     Example:
         >>> flush_at_exit(args, deadline=10)  # doctest: +SKIP
     """
+    options = FlushOptions(admin_secret=admin_secret, bearer=bearer, deadline=deadline, retries=retries,
+                           max_workers=max_workers, connect_timeout=connect_timeout, backoff_factor=backoff_factor)
     _prepare_hook(options)
     return ExitHook(args, environ, options)

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ._errors import FlushFailed
+from ._text import shown
 
 _SHOWN_FAILURES = 3
 
@@ -23,6 +24,8 @@ class FlushResult:
         attempts: HTTP attempts actually made (0 if the pair was never sent).
         elapsed: seconds spent on this pair.
         error: why it failed, None when ok.
+        joined: True when this call sent nothing for the pair but waited on a request an
+            earlier call had left in flight (single flight); the answer is that request's.
     """
 
     server_url: str
@@ -33,10 +36,11 @@ class FlushResult:
     attempts: int = 0
     elapsed: float = 0.0
     error: str | None = None
+    joined: bool = False
 
     def __str__(self) -> str:
         outcome = f"cancelled={self.cancelled}" if self.ok else f"failed: {self.error}"
-        return f"{self.instance_id} @ {self.server_url}: {outcome}"
+        return f"{shown(self.instance_id)} @ {shown(self.server_url)}: {outcome}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +48,8 @@ class FlushReport:
     """Everything one flush call did.
 
     Attributes:
-        results: one ``FlushResult`` per (url, id) pair, URL-major in the order given.
+        results: one ``FlushResult`` per (url, id) pair, URL-major in the order given
+            (requests go out interleaved across servers; the report keeps this order).
         elapsed: wall seconds the call took.
         error: a problem that stopped the flush before any pair ran (bad configuration in
             ``abort``), else None.
@@ -93,14 +98,14 @@ class FlushReport:
     def summary(self) -> str:
         """One line: what was flushed, what failed and why (first few)."""
         if self.error is not None:
-            return f"flush not run: {self.error}"
+            return f"flush not run: {shown(self.error)}"
         failed = self.failed
         line = (
             f"flushed {len(self.results) - len(failed)}/{len(self.results)} targets "
             f"in {self.elapsed:.2f}s, {self.cancelled} trials cancelled"
         )
         if failed:
-            shown = "; ".join(str(result) for result in failed[:_SHOWN_FAILURES])
+            listed = "; ".join(str(result) for result in failed[:_SHOWN_FAILURES])
             more = f"; and {len(failed) - _SHOWN_FAILURES} more" if len(failed) > _SHOWN_FAILURES else ""
-            line += f"; {len(failed)} failed: {shown}{more}"
+            line += f"; {len(failed)} failed: {listed}{more}"
         return line

@@ -10,13 +10,16 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Final
 from urllib.parse import urlsplit
 
+from ._auth import ScopedBearer, StaticBearer
 from ._errors import ConfigError
+from ._text import shown
 
 PLURAL_ATTR: Final = "session_server_instance_ids"
 SINGULAR_ATTR: Final = "session_server_instance_id"
 
 URL_ENV_VARS: Final = ("AGENT_SERVER_URL", "SWE_AGENT_URL")
-SECRET_ENV_VARS: Final = ("HARBOR_ADMIN_SECRET", "MILES_HARBOR_AUTH_TOKEN")
+SECRET_ENV_VARS: Final = ("HARBOR_ADMIN_SECRET", "MILES_HARBOR_AUTH_TOKEN", "AGENT_SERVER_AUTH_TOKEN")
+RUN_SECRET_ENV_VAR: Final = "HARBOR_RUN_SECRET"
 
 _MISSING: Final = object()
 
@@ -129,13 +132,29 @@ def resolve_server_urls(environ: Mapping[str, str] | None = None) -> tuple[str, 
     return ()
 
 
-def resolve_admin_secret(environ: Mapping[str, str] | None = None) -> str | None:
-    """The bearer secret from ``HARBOR_ADMIN_SECRET``, else ``MILES_HARBOR_AUTH_TOKEN``; None if blank."""
+def resolve_bearer(environ: Mapping[str, str] | None = None) -> StaticBearer | ScopedBearer | None:
+    """The bearer provider the environment configures, or None (no ``Authorization`` header).
+
+    In order, a blank value counting as unset: ``HARBOR_ADMIN_SECRET``,
+    ``MILES_HARBOR_AUTH_TOKEN``, ``AGENT_SERVER_AUTH_TOKEN`` (static bearers), then
+    ``HARBOR_RUN_SECRET`` (a master secret: scoped per-instance bearers).
+
+    Raises:
+        ConfigError: the secret found is not valid; the message names the variable, never
+            its value.
+
+    Example:
+        >>> resolve_bearer({"HARBOR_ADMIN_SECRET": "s3cret"})
+        StaticBearer('***', source='HARBOR_ADMIN_SECRET')
+    """
     env = os.environ if environ is None else environ
     for var in SECRET_ENV_VARS:
         value = env.get(var)
         if value is not None and value.strip():
-            return value.strip()
+            return StaticBearer(value.strip(), source=var)
+    master = env.get(RUN_SECRET_ENV_VAR)
+    if master is not None and master.strip():
+        return ScopedBearer(master, source=RUN_SECRET_ENV_VAR)
     return None
 
 
@@ -162,40 +181,44 @@ def normalize_server_urls(urls: str | Iterable[str], source: str = "server_urls"
 
 
 def _check_url(url: str, source: str) -> str:
-    shown = redact_url(url)
+    """``url`` without trailing ``/`` if it is ``http(s)://host[:port][/path]``, else ``ConfigError``.
+
+    A refused URL is shown by its scheme and host only (``redact_url``): whatever else it
+    holds may be a password.
+    """
+    refused = f"{source}: {redact_url(url)}"
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in ("http", "https"):
+        raise ConfigError(f"{refused} must start with http:// or https://")
+    if "@" in rest:
+        raise ConfigError(f"{refused} carries credentials (an '@' after the scheme); put the secret in "
+                          f"{SECRET_ENV_VARS[0]} instead")
+    if any(not ch.isprintable() or ch.isspace() for ch in url):
+        raise ConfigError(f"{refused} contains white space or control characters")
+    if "?" in rest or "#" in rest:
+        raise ConfigError(f"{refused} must not have a query or fragment")
     try:
         parts = urlsplit(url)
         parts.port  # raises ValueError on a bad port
     except ValueError:
-        raise ConfigError(f"{source}: {shown!r} is not a valid URL") from None
-    if parts.scheme.lower() not in ("http", "https"):
-        raise ConfigError(f"{source}: {shown!r} must start with http:// or https://")
+        raise ConfigError(f"{refused} is not a valid URL (host and port)") from None
     if not parts.hostname:
-        raise ConfigError(f"{source}: {shown!r} has no host")
-    if any(ch.isspace() for ch in url):
-        raise ConfigError(f"{source}: {shown!r} contains white space")
-    if "@" in parts.netloc:
-        raise ConfigError(
-            f"{source}: {shown!r} carries credentials; put the secret in "
-            f"{SECRET_ENV_VARS[0]} instead"
-        )
-    if parts.query or parts.fragment or url.endswith(("?", "#")):
-        raise ConfigError(f"{source}: {shown!r} must not have a query or fragment")
+        raise ConfigError(f"{refused} has no host")
     return url.rstrip("/")
 
 
 def redact_url(url: str) -> str:
-    """``url`` with any userinfo (``user:pass@``) replaced by ``***@``."""
+    """What may be shown of a URL: its scheme and host, escaped; ``***@`` where it had credentials.
+
+    Example:
+        >>> redact_url("http://admin:pa55/x@host:9/path")
+        'http://***@host:9'
+    """
     scheme, sep, rest = url.partition("://")
     if not sep:
-        scheme, rest = "", url
-    authority_end = len(rest)
+        return "<not a URL>"
+    credentials = "@" in rest
+    rest = rest.rpartition("@")[2]
     for delimiter in "/?#":
-        index = rest.find(delimiter)
-        if index != -1:
-            authority_end = min(authority_end, index)
-    authority = rest[:authority_end]
-    if "@" not in authority:
-        return url
-    host = authority.rpartition("@")[2]
-    return f"{scheme}{sep}***@{host}{rest[authority_end:]}"
+        rest = rest.partition(delimiter)[0]
+    return shown(f"{scheme}://{'***@' if credentials else ''}{rest}", 120)

@@ -88,7 +88,7 @@ def test_ids_json_from_stdin(stub: AgentServerStub, secret_file: Path, monkeypat
     ("argv", "message"),
     [
         (["--id", "a"], "no agent server URL"),
-        (["--url", "ftp://x", "--id", "a"], "--url: 'ftp://x' must start with http"),
+        (["--url", "ftp://x", "--id", "a"], "--url: ftp://x must start with http"),
         (["--url", "http://u:pw@h:1", "--id", "a"], "***@"),
         (["--url", "http://h:1", "--ids-json", "/nonexistent/ids.json"], "--ids-json: cannot read"),
         (["--url", "http://h:1", "--secret-file", "/nonexistent/secret"], "--secret-file: cannot read"),

@@ -160,13 +160,16 @@ def test_no_connection_pool_full_warning(stub: AgentServerStub, caplog: pytest.L
 
 
 def test_reused_flusher_opens_no_new_connections(stub: AgentServerStub) -> None:
+    stub.teardown = 0.05  # as a real flush: every pair in flight at once
     ids = [f"i{n}" for n in range(8)]
     with Flusher(stub.url, admin_secret=SECRET) as flusher:
-        assert flusher.flush(ids).ok
-        assert stub.connections == 8  # every pair was in flight at once, each on its own connection
-        for _ in range(5):
+        for _ in range(2):  # warm-up: a first call may open up to one connection per pair
             assert flusher.flush(ids).ok
-    assert len(stub.requests) == 48 and stub.connections == 8  # kept alive, never discarded
+        warm = stub.connections
+        assert 1 <= warm <= 8
+        for _ in range(20):
+            assert flusher.flush(ids).ok
+    assert len(stub.requests) == 22 * 8 and stub.connections == warm  # kept alive, never discarded
 
 
 def test_abort_reuses_its_flusher_across_steps(stub: AgentServerStub) -> None:
@@ -191,8 +194,8 @@ def test_abort_never_raises_on_bad_config(stub: AgentServerStub, caplog: pytest.
     assert "***@" in (report.error or "") and "pw" not in (report.error or "")
     report = abort({"session_server_instance_id": "a"}, environ=env_for(stub), deadline=-1)
     assert "deadline" in (report.error or "")
-    report = abort({"session_server_instance_id": "a"}, environ=env_for(stub), bogus=1)
-    assert "unknown option" in (report.error or "")
+    report = abort({"session_server_instance_id": "a"}, environ=env_for(stub), max_workers=[1])  # type: ignore[arg-type]
+    assert report.error == "max_workers must be an int, not list"
     assert caplog.text.count("abort did not flush") == 4
     assert stub.requests == []
 

@@ -10,7 +10,9 @@ CONTRACT = {
 
 
 def test_all_is_the_contract_plus_hooks() -> None:
-    assert set(swe_flush_sync.__all__) == CONTRACT | {"DEFAULT_DEADLINE", "SignalHook", "ExitHook"}
+    assert set(swe_flush_sync.__all__) == CONTRACT | {
+        "DEFAULT_DEADLINE", "SignalHook", "ExitHook", "FlushOptions", "BearerProvider", "StaticBearer",
+        "ScopedBearer", "resolve_bearer"}
     for name in swe_flush_sync.__all__:
         assert hasattr(swe_flush_sync, name), name
 

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from swe_flush_sync import ConfigError, resolve_instance_ids, resolve_server_urls
-from swe_flush_sync._resolve import normalize_server_urls, redact_url, resolve_admin_secret
+from swe_flush_sync import ScopedBearer, StaticBearer, resolve_bearer
+from swe_flush_sync._resolve import normalize_server_urls, redact_url
 
 
 def ns(**fields: object) -> argparse.Namespace:
@@ -146,7 +147,7 @@ class TestServerUrls:
         with pytest.raises(ConfigError) as info:
             resolve_server_urls({"AGENT_SERVER_URL": value})
         assert "hunter2" not in str(info.value)
-        assert "***@" in str(info.value)
+        assert "***@" in str(info.value) or "<not a URL>" in str(info.value)
 
     def test_normalize_sequence_and_bad_types(self) -> None:
         assert normalize_server_urls(["http://a:1", "http://b:1,http://a:1/"]) == ("http://a:1", "http://b:1")
@@ -158,13 +159,16 @@ class TestServerUrls:
             normalize_server_urls(5)  # type: ignore[arg-type]
 
 
-def test_redact_url() -> None:
-    assert redact_url("https://u:p@h:1/x?q") == "https://***@h:1/x?q"
-    assert redact_url("http://h:1/a@b") == "http://h:1/a@b"
+def test_redact_url_shows_scheme_and_host_only() -> None:
+    assert redact_url("https://u:p@h:1/x?q") == "https://***@h:1"
+    assert redact_url("http://h:1/a@b") == "http://***@b"
     assert redact_url("http://h") == "http://h"
+    assert redact_url("http://h:1/path?token=abc") == "http://h:1"
+    assert redact_url("no scheme at all") == "<not a URL>"
 
 
-def test_admin_secret_from_env() -> None:
-    assert resolve_admin_secret({}) is None
-    assert resolve_admin_secret({"HARBOR_ADMIN_SECRET": "  ", "MILES_HARBOR_AUTH_TOKEN": "t"}) == "t"
-    assert resolve_admin_secret({"HARBOR_ADMIN_SECRET": "h\n", "MILES_HARBOR_AUTH_TOKEN": "t"}) == "h"
+def test_static_bearer_from_env() -> None:
+    assert resolve_bearer({}) is None
+    assert resolve_bearer({"HARBOR_ADMIN_SECRET": "  ", "MILES_HARBOR_AUTH_TOKEN": "t"}) == StaticBearer("t")
+    assert resolve_bearer({"HARBOR_ADMIN_SECRET": "h\n", "MILES_HARBOR_AUTH_TOKEN": "t"}) == StaticBearer("h")
+    assert isinstance(resolve_bearer({"HARBOR_RUN_SECRET": "m" * 32}), ScopedBearer)

@@ -12,7 +12,8 @@ from responses.registries import OrderedRegistry
 from urllib3.exceptions import MaxRetryError, NameResolutionError, NewConnectionError, ProtocolError, ReadTimeoutError
 
 from swe_flush_sync import ConfigError, Flusher, flush
-from swe_flush_sync._transport import BearerAuth, build_retry, describe_exception
+from swe_flush_sync import FlushOptions, ScopedBearer, StaticBearer
+from swe_flush_sync._transport import build_retry, describe_failure
 
 from .conftest import SECRET
 
@@ -138,21 +139,25 @@ def test_retry_policy() -> None:
     assert retry.backoff_jitter > 0
 
 
-def test_describe_exception() -> None:
+def test_describe_failure() -> None:
     refused = NewConnectionError(None, "Failed")  # type: ignore[arg-type]
     refused.__cause__ = ConnectionRefusedError(111, "Connection refused")
-    assert describe_exception(requests.ConnectionError(MaxRetryError(None, "/", refused))) == \
+    assert describe_failure(exc=requests.ConnectionError(MaxRetryError(None, "/", refused))) == \
         "could not connect: connection refused"  # type: ignore[arg-type]
     dns = NameResolutionError("x.invalid", None, OSError("no"))  # type: ignore[arg-type]
-    assert describe_exception(requests.ConnectionError(MaxRetryError(None, "/", dns))) == \
+    assert describe_failure(exc=requests.ConnectionError(MaxRetryError(None, "/", dns))) == \
         "host name did not resolve"  # type: ignore[arg-type]
-    assert describe_exception(ReadTimeoutError(None, "/", "x")) == "read timed out"  # type: ignore[arg-type]
-    assert describe_exception(requests.ReadTimeout()) == "read timed out"
-    assert describe_exception(KeyError("k")) == "unexpected KeyError"
+    assert describe_failure(exc=ReadTimeoutError(None, "/", "x")) == "read timed out"  # type: ignore[arg-type]
+    assert describe_failure(exc=requests.ReadTimeout()) == "read timed out"
+    assert describe_failure(exc=KeyError("k")) == "unexpected KeyError"
 
 
-def test_bearer_auth_repr_hides_secret() -> None:
-    assert SECRET not in repr(BearerAuth(SECRET))
+def test_bearer_reprs_hide_secrets() -> None:
+    master = SECRET * 2
+    for provider in (StaticBearer(SECRET), ScopedBearer(master)):
+        assert SECRET not in repr(provider) and "***" in repr(provider)
+        assert SECRET not in repr(FlushOptions(bearer=provider))
+    assert SECRET not in repr(FlushOptions(admin_secret=SECRET))
 
 
 def test_flusher_repr_hides_secret() -> None:
@@ -178,7 +183,7 @@ def test_flusher_repr_hides_secret() -> None:
         ("connect_timeout", 0, "connect_timeout must be > 0"),
         ("backoff_factor", -1, "backoff_factor must be a number from 0"),
         ("admin_secret", 123, "admin_secret must be a str"),
-        ("admin_secret", "bad\nsecret", "admin_secret must be printable ASCII"),
+        ("admin_secret", "bad\nsecret", "admin_secret must be non-empty printable ASCII"),
     ],
 )
 def test_flusher_options_validated(option: str, value: object, message: str) -> None:

@@ -1,0 +1,113 @@
+"""``FlushOptions``: every tunable of a flush, validated once, immutable, shared by every entry point."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Final
+
+from ._auth import BearerProvider, ScopedBearer, StaticBearer
+from ._errors import ConfigError
+
+DEFAULT_DEADLINE: Final = 10.0
+DEFAULT_RETRIES: Final = 3
+DEFAULT_MAX_WORKERS: Final = 256
+DEFAULT_CONNECT_TIMEOUT: Final = 3.0
+DEFAULT_BACKOFF_FACTOR: Final = 0.2
+DEFAULT_LINGER: Final = 120.0
+MAX_SECONDS: Final = 3600.0
+MAX_RETRIES: Final = 100
+MAX_WORKERS: Final = 4096
+MAX_BACKOFF_FACTOR: Final = 60.0
+
+
+def check_seconds(value: object, name: str, *, allow_zero: bool = False) -> float:
+    """``value`` as a float in (0, 3600] (``[0, 3600]`` with ``allow_zero``), else ``ConfigError``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number of seconds, not {type(value).__name__}")
+    low_ok = value >= 0 if allow_zero else value > 0
+    if not math.isfinite(value) or not low_ok or value > MAX_SECONDS:
+        low = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{name} must be {low} and <= {MAX_SECONDS:g} seconds, got {value!r}")
+    return float(value)
+
+
+def _check_count(value: object, name: str, minimum: int, maximum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an int, not {type(value).__name__}")
+    if not minimum <= value <= maximum:
+        raise ConfigError(f"{name} must be between {minimum} and {maximum}, got {value}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class FlushOptions:
+    """How a flush runs. Validated on construction; compare and hash by value.
+
+    Attributes:
+        deadline: seconds a flush call may take before it returns (default 10, at most 3600).
+        retries: retries after the first attempt on connection errors and 429/5xx (so at most
+            ``retries + 1`` attempts); 0 disables retrying. At most 100.
+        max_workers: pairs in flight at once; None: one per pair, up to 256.
+        connect_timeout: seconds one TCP connect may take (also clamped to the time left).
+        backoff_factor: exponential backoff base in seconds, with as much jitter; 0 to 60.
+        linger: seconds a request still unanswered at the deadline stays in flight in the
+            background, so that the server's teardown is not cut short and a later flush of
+            the same pair joins it instead of sending again (default 120; 0 cuts it at the
+            deadline).
+        admin_secret: a static bearer secret; shorthand for ``bearer=StaticBearer(secret)``.
+        bearer: a bearer provider (instance id -> token), e.g. ``ScopedBearer``; at most one
+            of ``admin_secret`` and ``bearer``. Neither: no ``Authorization`` header.
+
+    Raises:
+        ConfigError: a value is of the wrong type or out of range; the message names it.
+    """
+
+    deadline: float = DEFAULT_DEADLINE
+    retries: int = DEFAULT_RETRIES
+    max_workers: int | None = None
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
+    backoff_factor: float = DEFAULT_BACKOFF_FACTOR
+    linger: float = DEFAULT_LINGER
+    admin_secret: str | None = None
+    bearer: BearerProvider | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "deadline", check_seconds(self.deadline, "deadline"))
+        _check_count(self.retries, "retries", 0, MAX_RETRIES)
+        if self.max_workers is not None:
+            _check_count(self.max_workers, "max_workers", 1, MAX_WORKERS)
+        object.__setattr__(self, "connect_timeout", check_seconds(self.connect_timeout, "connect_timeout"))
+        factor = self.backoff_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 <= factor <= MAX_BACKOFF_FACTOR:
+            raise ConfigError(f"backoff_factor must be a number from 0 to {MAX_BACKOFF_FACTOR:g}, got {factor!r}"
+                              if isinstance(factor, (int, float)) else
+                              f"backoff_factor must be a number, not {type(factor).__name__}")
+        object.__setattr__(self, "backoff_factor", float(factor))
+        object.__setattr__(self, "linger", check_seconds(self.linger, "linger", allow_zero=True))
+        if self.admin_secret == "":
+            object.__setattr__(self, "admin_secret", None)
+        if self.admin_secret is not None:
+            if self.bearer is not None:
+                raise ConfigError("give admin_secret or bearer, not both")
+            StaticBearer(self.admin_secret)  # validates it without ever showing it
+        if self.bearer is not None and not callable(self.bearer):
+            raise ConfigError(f"bearer must be a callable instance_id -> token, not {type(self.bearer).__name__}")
+
+    @property
+    def bearer_provider(self) -> BearerProvider | None:
+        """The provider the flush uses: ``bearer``, or a ``StaticBearer`` of ``admin_secret``."""
+        return StaticBearer(self.admin_secret) if self.admin_secret is not None else self.bearer
+
+    @property
+    def workers(self) -> int:
+        """The worker count: ``max_workers`` or the default."""
+        return DEFAULT_MAX_WORKERS if self.max_workers is None else self.max_workers
+
+    def __repr__(self) -> str:
+        secret = "None" if self.admin_secret is None else "'***'"
+        bearer = "None" if self.bearer is None else (
+            repr(self.bearer) if isinstance(self.bearer, (StaticBearer, ScopedBearer)) else type(self.bearer).__name__)
+        return (f"FlushOptions(deadline={self.deadline:g}, retries={self.retries}, max_workers={self.max_workers}, "
+                f"connect_timeout={self.connect_timeout:g}, backoff_factor={self.backoff_factor:g}, "
+                f"linger={self.linger:g}, admin_secret={secret}, bearer={bearer})")
