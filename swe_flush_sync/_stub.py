@@ -6,6 +6,8 @@ test. Public as ``swe_flush_sync.testing.AgentServerStub``.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import secrets
 import socket
@@ -117,8 +119,13 @@ class AgentServerStub:
     scripted with ``fault``; every request is recorded.
 
     Args:
-        secret: the bearer secret required; None accepts any request.
-        teardown: seconds each successful flush takes.
+        secret: the static bearer secret required; None accepts any request.
+        teardown: seconds each successful flush takes (its trials stay registered meanwhile,
+            and a flush arriving then is counted in ``recancels``).
+        host: the address to bind.
+        scoped_secret: a master secret: each flush must carry the per-instance bearer
+            (hex HMAC-SHA256 of ``miles-harbor-flush-session-v1\\x00session:<id>``), as newer
+            deployments require; takes precedence over ``secret``.
 
     Example:
         >>> with AgentServerStub(secret="s3cret", teardown=0.1) as stub:  # doctest: +SKIP
@@ -127,8 +134,10 @@ class AgentServerStub:
         3
     """
 
-    def __init__(self, *, secret: str | None = None, teardown: float = 0.0, host: str = "127.0.0.1") -> None:
+    def __init__(self, *, secret: str | None = None, teardown: float = 0.0, host: str = "127.0.0.1",
+                 scoped_secret: str | None = None) -> None:
         self.secret = secret
+        self.scoped_secret = scoped_secret
         self.teardown = teardown
         self._host = host
         self._lock = threading.Lock()
@@ -138,6 +147,8 @@ class AgentServerStub:
         self._requests: list[RecordedRequest] = []
         self._sockets: dict[int, tuple[int, socket.socket]] = {}  # id -> (serial, socket), open ones
         self._connections = 0
+        self._tearing_down: dict[str, int] = {}  # id -> flushes now waiting for its teardown
+        self._recancels = 0
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -224,6 +235,15 @@ class AgentServerStub:
         with self._lock:
             return self._connections
 
+    @property
+    def recancels(self) -> int:
+        """Flushes that arrived while an earlier flush of the same id was still tearing down.
+
+        The real bridge cancels the trials again then, mid-teardown: a client should never.
+        """
+        with self._lock:
+            return self._recancels
+
     def flushed_ids(self) -> list[str]:
         """Ids of the requests answered 2xx, in order (an id flushed twice appears twice)."""
         return [r.instance_id for r in self.requests if r.instance_id and r.status and 200 <= r.status < 300]
@@ -258,14 +278,14 @@ class AgentServerStub:
             self._record(handler, None, body, 404)
             handler.send_json(404, {"detail": "Not Found"})
             return
-        if self.secret is not None and not self._authorized(handler.headers.get("Authorization")):
-            self._record(handler, None, body, 401)
-            handler.send_json(401, {"detail": "invalid admin secret"})
-            return
         instance_id = self._parse_id(body)
-        if instance_id is None:
+        if instance_id is None:  # the body is validated first, as FastAPI does before the endpoint runs
             self._record(handler, None, body, 422)
             handler.send_json(422, {"detail": "session_server_instance_id (str) required"})
+            return
+        if not self._authorized(handler.headers.get("Authorization"), instance_id):
+            self._record(handler, None, body, 401)
+            handler.send_json(401, {"detail": "Invalid bearer token"})
             return
         with self._lock:
             fault = self._faults.get(instance_id) or _Fault()
@@ -292,18 +312,31 @@ class AgentServerStub:
             self._record(handler, instance_id, body, 200)
             self._trickle(handler, fault.trickle)
             return
+        with self._lock:
+            if self._tearing_down.get(instance_id):
+                self._recancels += 1
+            self._tearing_down[instance_id] = self._tearing_down.get(instance_id, 0) + 1
+            cancelled = self._trials.get(instance_id, 0)  # registered until their teardown ends
         if self.teardown:
             self._stopping.wait(self.teardown)
         with self._lock:
-            cancelled = self._trials.pop(instance_id, 0)
+            self._tearing_down[instance_id] -= 1
+            self._trials.pop(instance_id, None)
         self._record(handler, instance_id, body, 200)
         if fault.body is not None:
             handler.send_raw(200, fault.body)
         else:
             handler.send_json(200, {"session_server_instance_id": instance_id, "cancelled": cancelled})
 
-    def _authorized(self, header: str | None) -> bool:
-        expected = f"Bearer {self.secret}".encode()
+    def _authorized(self, header: str | None, instance_id: str) -> bool:
+        if self.scoped_secret is not None:
+            token = hmac.new(self.scoped_secret.encode(), b"miles-harbor-flush-session-v1\x00session:"
+                             + instance_id.encode(), hashlib.sha256).hexdigest()
+        elif self.secret is not None:
+            token = self.secret
+        else:
+            return True
+        expected = f"Bearer {token}".encode()
         return header is not None and secrets.compare_digest(header.encode("latin-1", "replace"), expected)
 
     @staticmethod
