@@ -9,11 +9,11 @@ DEPS := setup.cfg setup.py pyproject.toml
 
 $(VENV)/.installed: $(DEPS)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,contract]'
 	touch $@
 
 $(VENV)/.installed-bench: $(VENV)/.installed
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,bench]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,contract,bench]'
 	touch $@
 
 demo: $(VENV)/.installed

@@ -79,7 +79,7 @@ class ScopedBearer:
 
     Example:
         >>> ScopedBearer("m" * 32)("inst-1")[:12]
-        'b4a4ac7b3d93'
+        '4aa20b800cd4'
     """
 
     master_secret: str
