@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEPS := setup.cfg setup.py pyproject.toml
 
-.PHONY: demo test bench bench-quick clean
+.PHONY: demo test lint sdist-test bench bench-quick clean
 
 $(VENV)/.installed: $(DEPS)
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,22 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest
+
+$(VENV)/.installed-lint: $(VENV)/.installed
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,contract,lint]'
+	touch $@
+
+lint: $(VENV)/.installed-lint
+	$(BIN)/ruff check swe_flush_sync tests benchmarks
+	$(BIN)/mypy --strict swe_flush_sync
+
+# Build the sdist, unpack it elsewhere and run its own tests against it.
+sdist-test: $(VENV)/.installed
+	rm -rf build/sdist-test && mkdir -p build/sdist-test
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check build
+	$(BIN)/python -m build --sdist --outdir build/sdist-test .
+	tar -xzf build/sdist-test/*.tar.gz -C build/sdist-test
+	cd build/sdist-test/swe_flush_sync-* && ../../../$(BIN)/python -m pytest -q -p no:cacheprovider
 
 bench: $(VENV)/.installed-bench
 	$(BIN)/python -m benchmarks

@@ -1,25 +1,31 @@
-"""The ``swe-flush`` command line: flush instances from a shell, or ``swe-flush demo``.
+"""The ``swe-flush`` command line: flush instances from a shell, ``swe-flush demo``, ``swe-flush stub``.
 
 Exit codes: 0 all flushed or nothing to do; 1 some target failed; 2 usage or configuration
-error (one line on stderr, no traceback). The secret is read only from the environment or
-``--secret-file``, never from a flag value (it would show in ``ps``).
+error (one line on stderr, or one JSON object with ``--json``; no traceback); 130 interrupted
+(Ctrl-C gives up the pairs in flight at once and prints the partial report). The secret is
+read only from the environment or ``--secret-file``, never from a flag value (it would show in
+``ps``); unknown options are named without their values.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import secrets
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any, NoReturn, TextIO
 
 from . import __version__
-from ._errors import ConfigError, FlushError
 from ._auth import StaticBearer
-from ._flusher import flush
-from ._options import DEFAULT_DEADLINE
+from ._errors import ConfigError, FlushError
+from ._flusher import Flusher
 from ._lifecycle import abort
+from ._options import DEFAULT_DEADLINE
 from ._report import FlushReport
 from ._resolve import (
     PLURAL_ATTR,
@@ -31,10 +37,19 @@ from ._resolve import (
     resolve_server_urls,
 )
 from ._stub import AgentServerStub
+from ._text import shown
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+
+
+USAGE = """swe-flush [--url URL]... [--id ID]... [--ids-json PATH|-] [--secret-file PATH]
+                 [--deadline S] [--workers N] [--retries N] [--json] [-q | -v]
+       swe-flush demo [--instances N] [--teardown S] [--json]
+       swe-flush stub [--host H] [--port P] [--teardown S] [--secret-env VAR]"""
+EXIT_INTERRUPTED = 130
+_OPTION_FLAGS = {"max_workers": "--workers", "deadline": "--deadline", "retries": "--retries"}
 
 
 class _UsageError(Exception):
@@ -45,16 +60,29 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise _UsageError(message)
 
+    def parse_args_naming_unknown(self, argv: list[str]) -> argparse.Namespace:
+        """``parse_args``, but unknown options are named without their values (they may be secrets)."""
+        ns, unknown = self.parse_known_args(argv)
+        if unknown:
+            flags = sorted({token.split("=", 1)[0] for token in unknown if token.startswith("-")})
+            extra = len([token for token in unknown if not token.startswith("-")])
+            named = f"unrecognized option(s): {', '.join(shown(flag, 40) for flag in flags)}" if flags else ""
+            values = f"{extra} unexpected argument(s)" if extra else ""
+            raise _UsageError("; ".join(part for part in (named, values) if part) + " (values are never shown)")
+        return ns
+
 
 def _flush_parser() -> _Parser:
     parser = _Parser(
         prog="swe-flush",
+        usage=USAGE,
         allow_abbrev=False,
         description="Flush agent session-server instances on every agent server, in parallel. "
-                    "`swe-flush demo` runs against an embedded stub server.",
-        epilog="Environment: AGENT_SERVER_URL (or SWE_AGENT_URL), comma-separated; "
-               "HARBOR_ADMIN_SECRET (or MILES_HARBOR_AUTH_TOKEN). "
-               "Exit 0: all flushed or nothing to do; 1: a target failed; 2: usage or configuration error.",
+                    "`swe-flush demo` runs against an embedded stub server; `swe-flush stub` serves one.",
+        epilog="Environment: AGENT_SERVER_URL (or SWE_AGENT_URL), comma-separated; the bearer from "
+               "HARBOR_ADMIN_SECRET, MILES_HARBOR_AUTH_TOKEN or AGENT_SERVER_AUTH_TOKEN, or scoped bearers from "
+               "HARBOR_RUN_SECRET. Exit 0: all flushed or nothing to do; 1: a target failed; "
+               "2: usage or configuration error; 130: interrupted.",
     )
     parser.add_argument("--url", action="append", default=[], metavar="URL",
                         help="agent server URL (repeatable; default: from the environment)")
@@ -72,6 +100,9 @@ def _flush_parser() -> _Parser:
     parser.add_argument("--workers", type=int, default=None, metavar="N", help="requests in flight at once")
     parser.add_argument("--retries", type=int, default=3, metavar="N", help="retries per target (default 3)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("-q", "--quiet", action="store_true", help="print only the summary line")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="log to stderr (-v: INFO, -vv: DEBUG)")
     parser.add_argument("--version", action="version", version=f"swe-flush {__version__}")
     return parser
 
@@ -86,33 +117,98 @@ def _demo_parser() -> _Parser:
     return parser
 
 
+def _stub_parser() -> _Parser:
+    parser = _Parser(prog="swe-flush stub", allow_abbrev=False,
+                     description="Serve the stub agent server in the foreground until Ctrl-C; "
+                                 "its first line of output is its URL.")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=0, help="port to bind (default 0: a free one)")
+    parser.add_argument("--teardown", type=float, default=0.0, metavar="S",
+                        help="seconds each flush waits for its trials' teardown (default 0)")
+    parser.add_argument("--secret-env", metavar="VAR",
+                        help="require the bearer secret held by this environment variable")
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``swe-flush`` with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    demo = bool(argv) and argv[0] == "demo"
+    command = argv[0] if argv and argv[0] in ("demo", "stub") else None
+    as_json = "--json" in argv
     try:
-        if demo:
-            return _run_demo(_demo_parser().parse_args(argv[1:]))
-        return _run_flush(_flush_parser().parse_args(argv))
+        if command == "demo":
+            return _run_demo(_demo_parser().parse_args_naming_unknown(argv[1:]))
+        if command == "stub":
+            return _run_stub(_stub_parser().parse_args_naming_unknown(argv[1:]))
+        return _run_flush(_flush_parser().parse_args_naming_unknown(argv))
     except (_UsageError, FlushError) as exc:
-        prog = "swe-flush demo" if demo else "swe-flush"
-        print(f"{prog}: error: {exc}", file=sys.stderr)
+        message = _name_flags(str(exc))
+        if as_json:
+            print(json.dumps({"ok": False, "error": message}))
+        else:
+            print(f"swe-flush{' ' + command if command else ''}: error: {message}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+
+
+def _name_flags(message: str) -> str:
+    """A ``FlushOptions`` message, with the option named by its CLI flag."""
+    for option, flag in _OPTION_FLAGS.items():
+        if message.startswith(option + " "):
+            return flag + message[len(option):]
+    return message
 
 
 def _run_flush(ns: argparse.Namespace) -> int:
     if ns.secret_flag is not None:
         raise ConfigError("the secret is never taken as a flag value (it would show in ps): "
                           "set HARBOR_ADMIN_SECRET or pass --secret-file PATH")
+    if ns.verbose:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        logger = logging.getLogger("swe_flush_sync")
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG if ns.verbose > 1 else logging.INFO)
     urls = normalize_server_urls(ns.url, "--url") if ns.url else resolve_server_urls()
     if not urls:
         raise ConfigError("no agent server URL: pass --url or set AGENT_SERVER_URL")
     bearer = StaticBearer(_read_secret_file(ns.secret_file), source="--secret-file") if ns.secret_file \
         else resolve_bearer()
     ids = normalize_instance_ids([*ns.ids, *(_read_ids_json(ns.ids_json) if ns.ids_json else ())])
-    report = flush(urls, ids, bearer=bearer, deadline=ns.deadline, max_workers=ns.workers, retries=ns.retries)
-    _print_report(report, ns.json)
+    with Flusher(urls, bearer=bearer, deadline=ns.deadline, max_workers=ns.workers, retries=ns.retries,
+                 linger=0) as flusher:
+        report, interrupted = _flush_interruptibly(flusher, ids)
+    _print_report(report, ns.json, quiet=ns.quiet)
+    if interrupted:
+        return EXIT_INTERRUPTED
     return EXIT_OK if report.ok else EXIT_FAILED
+
+
+def _flush_interruptibly(flusher: Flusher, ids: tuple[str, ...]) -> tuple[FlushReport, bool]:
+    """Flush on a daemon thread; Ctrl-C gives the pairs in flight up at once: (report, interrupted).
+
+    Waits on an Event, not ``Thread.join``: a join interrupted by Ctrl-C can mark a running
+    thread as ended (CPython 3.11).
+    """
+    box: list[FlushReport] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box.append(flusher.flush(ids))
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="swe-flush-cli", daemon=True).start()
+    interrupted = False
+    while not done.is_set():
+        try:
+            done.wait(0.05)
+        except KeyboardInterrupt:  # a second Ctrl-C while giving up changes nothing
+            interrupted = True
+            flusher.abandon_in_flight("interrupted")
+    return box[0], interrupted
 
 
 def _read_secret_file(path: str) -> str:
@@ -146,20 +242,43 @@ def _read_ids_json(path: str) -> tuple[str, ...]:
     raise ConfigError(f"--ids-json: {path} must hold a list of ids or an object, not {type(data).__name__}")
 
 
-def _print_report(report: FlushReport, as_json: bool, out: TextIO | None = None) -> None:
+def _print_report(report: FlushReport, as_json: bool, out: TextIO | None = None, *, quiet: bool = False) -> None:
     out = out or sys.stdout
     if as_json:
         print(json.dumps(report.to_dict(), indent=2), file=out)
         return
     rows = [("INSTANCE", "SERVER", "CANCELLED", "ATTEMPTS", "TIME", "RESULT")]
-    for r in report.results:
-        rows.append((r.instance_id, r.server_url, "-" if r.cancelled is None else str(r.cancelled),
-                     str(r.attempts), f"{r.elapsed:.2f}s", "ok" if r.ok else f"FAILED: {r.error}"))
+    for r in () if quiet else report.results:
+        rows.append((shown(r.instance_id, 80), shown(r.server_url), "-" if r.cancelled is None else str(r.cancelled),
+                     str(r.attempts), f"{r.elapsed:.2f}s", "ok" if r.ok else f"FAILED: {shown(r.error or '')}"))
     if len(rows) > 1:
         widths = [max(len(row[i]) for row in rows) for i in range(5)]
         for row in rows:
-            print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[5], file=out)
+            cells = "  ".join(cell.ljust(width) for cell, width in zip(row[:5], widths, strict=True))
+            print(f"{cells}  {row[5]}", file=out)
     print(report.summary() if report.results or report.error else "nothing to flush", file=out)
+
+
+def _run_stub(ns: argparse.Namespace) -> int:
+    secret = None
+    if ns.secret_env:
+        secret = os.environ.get(ns.secret_env)
+        if not secret:
+            raise ConfigError(f"--secret-env: {shown(ns.secret_env, 60)} is not set")
+    if ns.teardown < 0 or not 0 <= ns.port <= 65535:
+        raise ConfigError("--teardown must be >= 0 and --port from 0 to 65535")
+    try:
+        stub = AgentServerStub(secret=secret, teardown=ns.teardown, host=ns.host, port=ns.port).start()
+    except OSError as exc:
+        raise ConfigError(f"cannot serve on {shown(ns.host, 60)}:{ns.port}: {exc.strerror or exc}") from None
+    print(stub.url, flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return EXIT_OK
+    finally:
+        stub.stop()
 
 
 def _run_demo(ns: argparse.Namespace) -> int:

@@ -221,7 +221,7 @@ class Flusher:
                 continue
             fresh.append((pair, authorization, Request(expires_at, expires_at + self._options.linger)))
         futures = self._submit(fresh, on_daemon_threads)
-        for (pair, _, request), future in zip(fresh, futures):
+        for (pair, _, request), future in zip(fresh, futures, strict=False):
             pending = _Pending(future, request)
             self._inflight[pair] = pending
             waiting[pair] = (pending, False)
@@ -234,11 +234,12 @@ class Flusher:
             token = self._bearer(instance_id)
         except ConfigError:
             raise
-        except Exception as exc:  # a user's provider; its message could hold anything
+        except Exception as exc:  # noqa: BLE001 - a user's provider; its message could hold anything
             raise ConfigError(f"the bearer provider raised {type(exc).__name__}") from None
         return "Bearer " + check_token(token, "the bearer provider's token")
 
-    def _submit(self, fresh: list[tuple[Pair, str | None, Request]], on_daemon_threads: bool) -> list[Future[FlushResult]]:
+    def _submit(self, fresh: list[tuple[Pair, str | None, Request]],
+                on_daemon_threads: bool) -> list[Future[FlushResult]]:
         engine = self._engine_now()
         calls = [_bind(engine.transport, pair, authorization, request) for pair, authorization, request in fresh]
         futures: list[Future[FlushResult]] = []
@@ -346,7 +347,7 @@ def _run_on_daemon_threads(calls: list[Callable[[], FlushResult]], workers: int)
         return []
     futures: list[Future[FlushResult]] = [Future() for _ in calls]
     tasks: queue.SimpleQueue[tuple[Future[FlushResult], Callable[[], FlushResult]]] = queue.SimpleQueue()
-    for task in zip(futures, calls):
+    for task in zip(futures, calls, strict=False):
         tasks.put(task)
 
     def drain() -> None:

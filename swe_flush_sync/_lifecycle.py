@@ -99,7 +99,7 @@ def _abort_report(args: Any, environ: Mapping[str, str] | None, make_options: Ca
         return _cached_flusher(urls, options).flush_ids(ids, options.deadline, on_daemon_threads=on_daemon_threads)
     except FlushError as exc:
         error = str(exc)
-    except Exception as exc:  # never crash the trainer; the message could hold anything
+    except Exception as exc:  # noqa: BLE001 - never crash the trainer; the message could hold anything
         error = f"unexpected {type(exc).__name__} while flushing"
     return FlushReport(elapsed=time.monotonic() - started, error=error)
 
@@ -151,9 +151,10 @@ def abort(
     Example:
         >>> report = abort(args)  # doctest: +SKIP
     """
-    report = _abort_report(args, environ, functools.partial(
-        FlushOptions, admin_secret=admin_secret, bearer=bearer, deadline=deadline, retries=retries, max_workers=max_workers,
-        connect_timeout=connect_timeout, backoff_factor=backoff_factor, linger=linger), on_daemon_threads=False)
+    make_options = functools.partial(
+        FlushOptions, admin_secret=admin_secret, bearer=bearer, deadline=deadline, retries=retries,
+        max_workers=max_workers, connect_timeout=connect_timeout, backoff_factor=backoff_factor, linger=linger)
+    report = _abort_report(args, environ, make_options, on_daemon_threads=False)
     log_report(report)
     return report
 
@@ -200,7 +201,7 @@ def _log_and_flush_stdio(report: FlushReport) -> None:
         try:
             if stream is not None:
                 stream.flush()
-        except Exception:
+        except Exception:  # noqa: BLE001 - flushing stdio is best effort
             pass
 
 

@@ -71,7 +71,7 @@ def log_report(report: FlushReport) -> None:
             for result in report.results:
                 log.debug("%s", result)
         log.info("%s", report.summary())
-    except Exception:  # a logging failure (a re-entered stream in a signal handler) is not the trainer's problem
+    except Exception:  # noqa: BLE001 - a logging failure is not the trainer's
         pass
 
 

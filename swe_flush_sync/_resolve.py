@@ -77,7 +77,7 @@ def _read_field(args: Any, name: str) -> Any:
         if isinstance(args, Mapping):
             return args.get(name, _MISSING)
         return getattr(args, name, _MISSING)
-    except Exception as exc:  # a property or __getattr__ that raises
+    except Exception as exc:  # noqa: BLE001 - a property or __getattr__ that raises
         raise ConfigError(f"reading {name!r} from args raised {type(exc).__name__}") from None
 
 
@@ -91,7 +91,7 @@ def _iter_plural(value: Any, name: str = PLURAL_ATTR) -> Iterable[Any]:
         )
     try:
         return list(value)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - a user iterable that raises
         raise ConfigError(f"iterating {name} raised {type(exc).__name__}") from None
 
 
@@ -199,7 +199,7 @@ def _check_url(url: str, source: str) -> str:
         raise ConfigError(f"{refused} must not have a query or fragment")
     try:
         parts = urlsplit(url)
-        parts.port  # raises ValueError on a bad port
+        _ = parts.port  # raises ValueError on a bad port
     except ValueError:
         raise ConfigError(f"{refused} is not a valid URL (host and port)") from None
     if not parts.hostname:

@@ -6,6 +6,7 @@ test. Public as ``swe_flush_sync.testing.AgentServerStub``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -81,13 +82,13 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _Server
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+    def log_message(self, format: str, *args: Any) -> None:
         pass
 
-    def do_GET(self) -> None:  # noqa: N802 - stdlib naming
+    def do_GET(self) -> None:
         self._not_found()
 
-    def do_POST(self) -> None:  # noqa: N802 - stdlib naming
+    def do_POST(self) -> None:
         self.server.stub._handle(self)
 
     def _not_found(self) -> None:
@@ -123,6 +124,7 @@ class AgentServerStub:
         teardown: seconds each successful flush takes (its trials stay registered meanwhile,
             and a flush arriving then is counted in ``recancels``).
         host: the address to bind.
+        port: the port to bind; 0 picks a free one (see ``url``).
         scoped_secret: a master secret: each flush must carry the per-instance bearer
             (hex HMAC-SHA256 of ``miles-harbor-flush-session-v1\\x00session:<id>``), as newer
             deployments require; takes precedence over ``secret``.
@@ -135,8 +137,9 @@ class AgentServerStub:
     """
 
     def __init__(self, *, secret: str | None = None, teardown: float = 0.0, host: str = "127.0.0.1",
-                 scoped_secret: str | None = None) -> None:
+                 scoped_secret: str | None = None, port: int = 0) -> None:
         self.secret = secret
+        self._port = port
         self.scoped_secret = scoped_secret
         self.teardown = teardown
         self._host = host
@@ -154,8 +157,8 @@ class AgentServerStub:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> AgentServerStub:
-        """Bind a free port on the host and serve in a background thread."""
-        self._server = _Server(self, (self._host, 0))
+        """Bind the port (a free one by default) and serve in a background thread."""
+        self._server = _Server(self, (self._host, self._port))
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
                                         name="agent-server-stub", daemon=True)
         self._thread.start()
@@ -170,10 +173,8 @@ class AgentServerStub:
         with self._lock:
             sockets = [sock for _, sock in self._sockets.values()]
         for sock in sockets:
-            try:
+            with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
         if self._thread is not None:
             self._thread.join(timeout=5)
 

@@ -14,6 +14,7 @@ shortens backoff to fit the deadline and stops at it, and connection classes (th
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import math
@@ -123,10 +124,8 @@ class Request:
 def _shut(connection: HTTPConnection) -> None:
     sock = connection.sock
     if sock is not None:
-        try:
+        with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
 
 
 def _current() -> Request | None:
@@ -200,7 +199,7 @@ class _DeadlineRetry(Retry):
             return None
         try:
             return self.get_retry_after(response)
-        except Exception:  # an unparsable Retry-After: fall back to backoff
+        except Exception:  # noqa: BLE001 - an unparsable Retry-After: fall back to backoff
             return None
 
     def sleep(self, response: BaseHTTPResponse | None = None) -> None:
@@ -352,15 +351,13 @@ class Transport:
                                    elapsed=time.monotonic() - started)
             return FlushResult(server_url, instance_id, ok=False, status_code=status, attempts=attempts,
                                elapsed=time.monotonic() - started, error=describe_failure(request, response=response))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - never raises: every failure is data
             return FlushResult(server_url, instance_id, ok=False, attempts=request.attempts,
                                elapsed=time.monotonic() - started, error=describe_failure(request, exc=exc))
         finally:
             if response is not None:
-                try:
+                with contextlib.suppress(Exception):
                     response.close()
-                except Exception:
-                    pass
             _local.request = None
             request.finish()
 
@@ -382,7 +379,7 @@ def _read_cancelled(response: requests.Response, request: Request) -> int | None
             size += len(chunk)
         else:
             return None  # too large, or still trickling when its time was up
-    except Exception:
+    except Exception:  # noqa: BLE001 - a body cut mid-way still flushed
         return None
     try:
         data = json.loads(b"".join(chunks))
@@ -425,7 +422,8 @@ def _describe_exception(exc: BaseException | None) -> str:
     for _ in range(6):  # unwrap requests -> MaxRetryError -> the urllib3 reason
         if isinstance(reason, MaxRetryError) and reason.reason is not None:
             reason = reason.reason
-        elif isinstance(reason, requests.RequestException) and reason.args and isinstance(reason.args[0], BaseException):
+        elif isinstance(reason, requests.RequestException) and reason.args \
+                and isinstance(reason.args[0], BaseException):
             reason = reason.args[0]
         else:
             break

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from swe_flush_sync import FlushFailed, Flusher, abort, flush
+from swe_flush_sync import Flusher, FlushFailed, abort, flush
 from swe_flush_sync.testing import AgentServerStub
 
 from .conftest import PYTHON, SECRET, ours, subprocess_env, wait_no_library_threads, wait_threads_gone

@@ -91,7 +91,7 @@ def test_sigterm_flushes_ids_set_after_install_and_dies_of_it(stub: AgentServerS
         flush_on_signal(args, deadline=5)
         fill_ids(); ready(); time.sleep(30)
     """)
-    code, sent, ended, out, err = child.signal_at()
+    code, sent, ended, _out, err = child.signal_at()
     assert code == -signal.SIGTERM, err
     assert_each_id_flushed_once(stub)
     assert {r.authorization for r in stub.requests} == {f"Bearer {SECRET}"}

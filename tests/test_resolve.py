@@ -8,8 +8,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from swe_flush_sync import ConfigError, resolve_instance_ids, resolve_server_urls
-from swe_flush_sync import ScopedBearer, StaticBearer, resolve_bearer
+from swe_flush_sync import (
+    ConfigError,
+    ScopedBearer,
+    StaticBearer,
+    resolve_bearer,
+    resolve_instance_ids,
+    resolve_server_urls,
+)
 from swe_flush_sync._resolve import normalize_server_urls, redact_url
 
 
@@ -66,7 +72,7 @@ class TestInstanceIds:
 
     @pytest.mark.parametrize("bad", [1, b"a", 2.5, object()])
     def test_non_str_id_in_plural(self, bad: object) -> None:
-        with pytest.raises(ConfigError, match="session_server_instance_ids holds a .* id; ids must be str"):
+        with pytest.raises(ConfigError, match=r"session_server_instance_ids holds a .* id; ids must be str"):
             resolve_instance_ids(ns(session_server_instance_ids=["ok", bad]))
 
     def test_singular_int(self) -> None:
@@ -139,7 +145,7 @@ class TestServerUrls:
         assert str(info.value).startswith("AGENT_SERVER_URL: ")
 
     def test_fallback_variable_is_named(self) -> None:
-        with pytest.raises(ConfigError, match="^SWE_AGENT_URL: "):
+        with pytest.raises(ConfigError, match=r"^SWE_AGENT_URL: "):
             resolve_server_urls({"SWE_AGENT_URL": "nope"})
 
     @pytest.mark.parametrize("value", ["http://user:hunter2@agent:8000", "user:hunter2@agent", "ftp://u:hunter2@x/"])

@@ -11,8 +11,7 @@ import responses
 from responses.registries import OrderedRegistry
 from urllib3.exceptions import MaxRetryError, NameResolutionError, NewConnectionError, ProtocolError, ReadTimeoutError
 
-from swe_flush_sync import ConfigError, Flusher, flush
-from swe_flush_sync import FlushOptions, ScopedBearer, StaticBearer
+from swe_flush_sync import ConfigError, Flusher, FlushOptions, ScopedBearer, StaticBearer, flush
 from swe_flush_sync._transport import build_retry, describe_failure
 
 from .conftest import SECRET

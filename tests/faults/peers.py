@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 
@@ -55,10 +56,8 @@ class RawPeer:
         self._stop.set()
         self._listener.close()
         for conn in self._conns:
-            try:
+            with contextlib.suppress(OSError):
                 conn.close()
-            except OSError:
-                pass
 
     def __enter__(self) -> RawPeer:
         return self

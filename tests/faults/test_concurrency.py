@@ -6,7 +6,7 @@ import threading
 import time
 from collections import Counter
 
-from swe_flush_sync import FlushReport, Flusher, abort
+from swe_flush_sync import Flusher, FlushReport, abort
 from swe_flush_sync.testing import AgentServerStub
 
 from ..conftest import SECRET
