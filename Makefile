@@ -29,6 +29,7 @@ $(VENV)/.installed-lint: $(VENV)/.installed
 lint: $(VENV)/.installed-lint
 	$(BIN)/ruff check swe_flush_sync tests benchmarks
 	$(BIN)/mypy --strict swe_flush_sync
+	test "$$($(BIN)/mypy --strict tests/typecheck/misspelt_options.py | grep -c 'Unexpected keyword argument')" = 4
 
 # Build the sdist, unpack it elsewhere and run its own tests against it.
 sdist-test: $(VENV)/.installed

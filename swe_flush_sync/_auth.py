@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final
@@ -85,7 +84,6 @@ class ScopedBearer:
     master_secret: str
     source: str = field(default="master_secret", compare=False)
     _tokens: dict[str, str] = field(default_factory=dict, compare=False, hash=False, repr=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         secret = self.master_secret
@@ -105,8 +103,7 @@ class ScopedBearer:
                                   f"match {SCOPED_ID_PATTERN.pattern}")
             token = hmac.new(self.master_secret.encode(), SCOPED_CONTEXT + instance_id.encode(),
                              hashlib.sha256).hexdigest()
-            with self._lock:
-                self._tokens[instance_id] = token
+            self._tokens[instance_id] = token  # one dict store: atomic, and the same value from any thread
         return token
 
     def __repr__(self) -> str:

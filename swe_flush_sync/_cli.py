@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 import sys
 import threading
 import time
@@ -205,8 +206,9 @@ def _flush_interruptibly(flusher: Flusher, ids: tuple[str, ...]) -> tuple[FlushR
     while not done.is_set():
         try:
             done.wait(0.05)
-        except KeyboardInterrupt:  # a second Ctrl-C while giving up changes nothing
+        except KeyboardInterrupt:
             interrupted = True
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C changes nothing, even at exit
             flusher.abandon_in_flight("interrupted")
     return box[0], interrupted
 

@@ -20,9 +20,9 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from types import FrameType
-from typing import Any, Final
+from typing import Any, Final, ParamSpec
 
 from ._auth import BearerProvider
 from ._errors import ConfigError, FlushError
@@ -40,6 +40,7 @@ from ._report import FlushReport
 from ._resolve import URL_ENV_VARS, resolve_bearer, resolve_instance_ids, resolve_server_urls
 
 log = logging.getLogger(__name__)
+P = ParamSpec("P")
 
 _CACHE_SIZE: Final = 8
 _HOOK_LOG_TIMEOUT: Final = 0.5  # seconds a signal or exit hook waits for its own logging
@@ -159,31 +160,27 @@ def abort(
     return report
 
 
-async def abort_async(
-    args: Any,
-    *,
-    environ: Mapping[str, str] | None = None,
-    admin_secret: str | None = None,
-    bearer: BearerProvider | None = None,
-    deadline: float = DEFAULT_DEADLINE,
-    retries: int = DEFAULT_RETRIES,
-    max_workers: int | None = None,
-    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-    backoff_factor: float = DEFAULT_BACKOFF_FACTOR,
-    linger: float = DEFAULT_LINGER,
-) -> FlushReport:
-    """``abort`` as a coroutine, run off the event-loop thread so the loop keeps serving.
+def _off_the_event_loop(function: Callable[P, FlushReport]) -> Callable[P, Coroutine[Any, Any, FlushReport]]:
+    """``function`` as a coroutine function with the same typed signature, run in a worker thread."""
+    @functools.wraps(function)
+    async def run(*args: P.args, **kwargs: P.kwargs) -> FlushReport:
+        return await asyncio.to_thread(function, *args, **kwargs)
 
-    A drop-in async abort hook (``from swe_flush_sync import abort_async as abort``). Takes
-    the same arguments as ``abort``. Cancelling the awaiting task does not stop the flush,
-    which still ends by its deadline.
+    return run
 
-    Example:
-        >>> report = await abort_async(args, deadline=5)  # doctest: +SKIP
-    """
-    return await asyncio.to_thread(
-        abort, args, environ=environ, admin_secret=admin_secret, bearer=bearer, deadline=deadline, retries=retries,
-        max_workers=max_workers, connect_timeout=connect_timeout, backoff_factor=backoff_factor, linger=linger)
+
+abort_async = _off_the_event_loop(abort)
+abort_async.__name__ = abort_async.__qualname__ = "abort_async"
+abort_async.__doc__ = """``abort`` as a coroutine, run off the event-loop thread so the loop keeps serving.
+
+A drop-in async abort hook (``from swe_flush_sync import abort_async as abort``). Takes
+exactly the arguments of ``abort`` (typed: a misspelt one is a ``TypeError``) and returns its
+``FlushReport``. Cancelling the awaiting task does not stop the flush, which still ends by its
+deadline.
+
+Example:
+    >>> report = await abort_async(args, deadline=5)  # doctest: +SKIP
+"""
 
 
 def _hook_flush(args: Any, environ: Mapping[str, str] | None, options: FlushOptions) -> FlushReport:
