@@ -180,3 +180,24 @@ def test_agent_server_fixture_from_the_plugin(agent_server: AgentServerStub) -> 
     agent_server.fault("inst-2", statuses=[503])
     report = flush(agent_server.url, ["inst-1", "inst-2"])
     assert report.ok and report.cancelled == 2 and agent_server.flushed_ids() == ["inst-1", "inst-2"]
+
+
+def test_verbose_logs_the_summary_to_stderr(stub: AgentServerStub, capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HARBOR_ADMIN_SECRET", SECRET)
+    logger = logging.getLogger("swe_flush_sync")
+    monkeypatch.setattr(logger, "handlers", list(logger.handlers))  # undo the CLI's handler afterwards
+    monkeypatch.setattr(logger, "level", logger.level)
+    assert main(["--url", stub.url, "--id", "a", "-v"]) == 0
+    err = capsys.readouterr().err
+    assert "INFO swe_flush_sync" in err and "flushed 1/1 targets" in err and SECRET not in err
+
+
+def test_stub_checks_scoped_bearers() -> None:
+    master = "m" * 40
+    with AgentServerStub(scoped_secret=master) as scoped:
+        report = abort({"session_server_instance_ids": ["a", "b"]},
+                       environ={"AGENT_SERVER_URL": scoped.url, "HARBOR_RUN_SECRET": master})
+        assert report.ok and sorted(scoped.flushed_ids()) == ["a", "b"]
+        static = flush(scoped.url, ["a"], admin_secret=master)
+        assert static.results[0].status_code == 401
