@@ -149,8 +149,10 @@ def test_ctrl_c_in_the_cli_exits_130_with_the_partial_report(stub: AgentServerSt
                              "--deadline", "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=subprocess_env(HARBOR_ADMIN_SECRET=SECRET))
     end = time.monotonic() + 10
-    while not any(r.instance_id == "hung" for r in stub.requests) and time.monotonic() < end:
+    while set(stub.flushed_ids()) != {"ok"} or not any(r.instance_id == "hung" for r in stub.requests):
+        assert time.monotonic() < end, stub.requests
         time.sleep(0.02)
+    time.sleep(0.1)  # the CLI has read the answer of "ok" by now
     sent = time.monotonic()
     for _ in range(presses):
         proc.send_signal(signal.SIGINT)
