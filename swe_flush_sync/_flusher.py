@@ -221,7 +221,7 @@ class Flusher:
                 continue
             fresh.append((pair, authorization, Request(expires_at, expires_at + self._options.linger)))
         futures = self._submit(fresh, on_daemon_threads)
-        for (pair, _, request), future in zip(fresh, futures, strict=False):
+        for (pair, _, request), future in zip(fresh, futures, strict=True):
             pending = _Pending(future, request)
             self._inflight[pair] = pending
             waiting[pair] = (pending, False)
@@ -347,7 +347,7 @@ def _run_on_daemon_threads(calls: list[Callable[[], FlushResult]], workers: int)
         return []
     futures: list[Future[FlushResult]] = [Future() for _ in calls]
     tasks: queue.SimpleQueue[tuple[Future[FlushResult], Callable[[], FlushResult]]] = queue.SimpleQueue()
-    for task in zip(futures, calls, strict=False):
+    for task in zip(futures, calls, strict=True):
         tasks.put(task)
 
     def drain() -> None:
