@@ -5,7 +5,7 @@ Example:
     >>> with AgentServerStub(secret="s3cret") as stub:  # doctest: +SKIP
     ...     stub.fault("inst-2", statuses=[503])
     ...     report = flush(stub.url, ["inst-1", "inst-2"], admin_secret="s3cret")
-    ...     assert stub.flushed_ids() == ["inst-1", "inst-2"]
+    ...     assert sorted(stub.flushed_ids()) == ["inst-1", "inst-2"]
 """
 
 from ._stub import AgentServerStub, RecordedRequest

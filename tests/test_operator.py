@@ -181,7 +181,7 @@ def test_agent_server_fixture_from_the_plugin(agent_server: AgentServerStub) -> 
     agent_server.add_trials("inst-1", 2)
     agent_server.fault("inst-2", statuses=[503])
     report = flush(agent_server.url, ["inst-1", "inst-2"])
-    assert report.ok and report.cancelled == 2 and agent_server.flushed_ids() == ["inst-1", "inst-2"]
+    assert report.ok and report.cancelled == 2 and sorted(agent_server.flushed_ids()) == ["inst-1", "inst-2"]
 
 
 def test_verbose_logs_the_summary_to_stderr(stub: AgentServerStub, capsys: pytest.CaptureFixture[str],
