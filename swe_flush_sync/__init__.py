@@ -19,8 +19,7 @@ from ._lifecycle import ExitHook, SignalHook, abort, abort_async, flush_at_exit,
 from ._options import DEFAULT_DEADLINE, FlushOptions
 from ._report import FlushReport, FlushResult
 from ._resolve import resolve_bearer, resolve_instance_ids, resolve_server_urls
-
-__version__ = "0.2.0"
+from ._version import __version__ as __version__
 
 __all__ = [
     "DEFAULT_DEADLINE",

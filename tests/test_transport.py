@@ -18,53 +18,56 @@ from .conftest import SECRET
 
 URL = "http://agent.test:8000"
 FLUSH = URL + "/flush"
+# The transport sends through its own adapter's short ``send``; responses stands in for it.
+ADAPTER_SEND = "swe_flush_sync._transport._FlushAdapter.send"
+mocked = responses.RequestsMock(target=ADAPTER_SEND, assert_all_requests_are_fired=False)
 
 
 def ok_body(instance_id: str, cancelled: object = 2) -> dict[str, object]:
     return {"session_server_instance_id": instance_id, "cancelled": cancelled}
 
 
-@responses.activate
+@mocked.activate
 def test_wire_format_with_bearer() -> None:
-    responses.post(FLUSH, json=ok_body("i1", 3))
+    mocked.post(FLUSH, json=ok_body("i1", 3))
     report = flush(URL, ["i1"], admin_secret=SECRET)
     assert report.ok and report.cancelled == 3
-    request = responses.calls[0].request
+    request = mocked.calls[0].request
     assert request.headers["Authorization"] == f"Bearer {SECRET}"
     assert request.headers["Content-Type"] == "application/json"
     assert json.loads(request.body) == {"session_server_instance_id": "i1"}
 
 
-@responses.activate
+@mocked.activate
 def test_no_authorization_header_without_secret() -> None:
-    responses.post(FLUSH, json=ok_body("i1"))
+    mocked.post(FLUSH, json=ok_body("i1"))
     assert flush(URL, ["i1"]).ok
-    assert "Authorization" not in responses.calls[0].request.headers
+    assert "Authorization" not in mocked.calls[0].request.headers
 
 
-@responses.activate(registry=OrderedRegistry)
+@mocked.activate(registry=OrderedRegistry)
 def test_503_503_200_is_ok_after_three_attempts() -> None:
-    responses.post(FLUSH, status=503)
-    responses.post(FLUSH, status=503)
-    responses.post(FLUSH, json=ok_body("i1", 1))
+    mocked.post(FLUSH, status=503)
+    mocked.post(FLUSH, status=503)
+    mocked.post(FLUSH, json=ok_body("i1", 1))
     [result] = flush(URL, ["i1"]).results
     assert (result.ok, result.attempts, result.status_code, result.cancelled) == (True, 3, 200, 1)
-    assert len(responses.calls) == 3
+    assert len(mocked.calls) == 3
 
 
-@responses.activate
+@mocked.activate
 def test_retries_bound_attempts() -> None:
-    responses.post(FLUSH, status=502)
+    mocked.post(FLUSH, status=502)
     [result] = flush(URL, ["i1"], retries=2).results
-    assert not result.ok and result.attempts == 3 and len(responses.calls) == 3
+    assert not result.ok and result.attempts == 3 and len(mocked.calls) == 3
     assert result.status_code == 502 and result.error == "HTTP 502: retries exhausted"
 
 
-@responses.activate
+@mocked.activate
 def test_retries_zero_means_one_attempt() -> None:
-    responses.post(FLUSH, status=503)
+    mocked.post(FLUSH, status=503)
     [result] = flush(URL, ["i1"], retries=0).results
-    assert result.attempts == 1 and len(responses.calls) == 1
+    assert result.attempts == 1 and len(mocked.calls) == 1
 
 
 @pytest.mark.parametrize(
@@ -72,11 +75,11 @@ def test_retries_zero_means_one_attempt() -> None:
     [(401, "wrong or missing bearer"), (403, "forbidden"), (404, "no /flush endpoint"), (405, "not allowed"),
      (422, "rejected the request body"), (400, None), (409, None)],
 )
-@responses.activate
+@mocked.activate
 def test_client_errors_not_retried(status: int, hint: str | None) -> None:
-    responses.post(FLUSH, status=status, json={"detail": "x"})
+    mocked.post(FLUSH, status=status, json={"detail": "x"})
     [result] = flush(URL, ["i1"], retries=3).results
-    assert len(responses.calls) == 1
+    assert len(mocked.calls) == 1
     assert (result.ok, result.status_code, result.attempts) == (False, status, 1)
     assert result.error is not None and result.error.startswith(f"HTTP {status}")
     if hint:
@@ -84,43 +87,43 @@ def test_client_errors_not_retried(status: int, hint: str | None) -> None:
 
 
 @pytest.mark.parametrize("status", [301, 302, 307, 308])
-@responses.activate
+@mocked.activate
 def test_redirect_not_followed(status: int) -> None:
-    responses.post(FLUSH, status=status, headers={"Location": "http://elsewhere.test/flush"})
+    mocked.post(FLUSH, status=status, headers={"Location": "http://elsewhere.test/flush"})
     [result] = flush(URL, ["i1"], admin_secret=SECRET).results
     assert not result.ok and result.status_code == status and "redirect not followed" in (result.error or "")
-    assert len(responses.calls) == 1
+    assert len(mocked.calls) == 1
 
 
 @pytest.mark.parametrize(
     "body",
     [b"not json", b"[1, 2]", b'{"cancelled": "3"}', b'{"cancelled": true}', b"{}", b""],
 )
-@responses.activate
+@mocked.activate
 def test_2xx_with_odd_body_is_success_without_count(body: bytes) -> None:
-    responses.post(FLUSH, body=body, status=200)
+    mocked.post(FLUSH, body=body, status=200)
     [result] = flush(URL, ["i1"]).results
     assert result.ok and result.cancelled is None and result.error is None
 
 
-@responses.activate
+@mocked.activate
 def test_202_counts_as_success() -> None:
-    responses.post(FLUSH, status=202, json=ok_body("i1", 4))
+    mocked.post(FLUSH, status=202, json=ok_body("i1", 4))
     assert flush(URL, ["i1"]).cancelled == 4
 
 
-@responses.activate
+@mocked.activate
 def test_exception_from_transport_becomes_result() -> None:
-    responses.post(FLUSH, body=requests.ConnectionError(ProtocolError("Connection aborted.")))
+    mocked.post(FLUSH, body=requests.ConnectionError(ProtocolError("Connection aborted.")))
     [result] = flush(URL, ["i1"]).results
     assert not result.ok and result.error == "connection dropped by the server" and result.attempts == 1
 
 
-@responses.activate
+@mocked.activate
 def test_results_are_url_major_and_deduplicated() -> None:
     other = "http://other.test:9"
-    responses.post(FLUSH, json=ok_body("x"))
-    responses.post(other + "/flush", json=ok_body("x"))
+    mocked.post(FLUSH, json=ok_body("x"))
+    mocked.post(other + "/flush", json=ok_body("x"))
     report = flush([URL, other], ["a", "b", "a"])
     assert [(r.server_url, r.instance_id) for r in report.results] == [
         (URL, "a"), (URL, "b"), (other, "a"), (other, "b")]
@@ -206,6 +209,6 @@ def test_flush_on_closed_flusher_raises() -> None:
 
 
 def test_empty_ids_send_nothing() -> None:
-    with responses.RequestsMock() as mock:  # any request would fail: nothing is registered
+    with responses.RequestsMock(target=ADAPTER_SEND) as mock:  # any request would fail: nothing is registered
         report = flush(URL, [])
     assert report.ok and report.results == () and len(mock.calls) == 0
