@@ -126,6 +126,7 @@ class Flusher:
         self._lock = threading.RLock()  # re-entrant: a signal handler may flush while it is held
         self._inflight: dict[Pair, _Pending] = {}
         self._engine: _Engine | None = None
+        self._gathered = 0  # the most connections the pool is known to have had at once
         self._closed = False
         _live.add(self)
 
@@ -220,12 +221,28 @@ class Flusher:
                 ready[pair] = FlushResult(*pair, ok=False, error=str(exc))
                 continue
             fresh.append((pair, authorization, Request(expires_at, expires_at + self._options.linger)))
+        if not on_daemon_threads:
+            self._gather_connections([request for _, _, request in fresh], busy=len(self._inflight))
         futures = self._submit(fresh, on_daemon_threads)
         for (pair, _, request), future in zip(fresh, futures, strict=True):
             pending = _Pending(future, request)
             self._inflight[pair] = pending
             waiting[pair] = (pending, False)
         return waiting, ready
+
+    def _gather_connections(self, fresh: list[Request], busy: int) -> None:
+        """Let a call that needs more connections than the pool ever had open them all at once.
+
+        Its first pairs (one per free worker) each hold their connection until all of them
+        hold one (``Request.hold``): the pool grows to the call's parallelism in one step, and
+        later calls of that size reuse it and open none. A first call opens one per pair.
+        """
+        parties = min(len(fresh), self._options.workers - busy)
+        if parties > 1 and busy + parties > self._gathered:
+            barrier = threading.Barrier(parties)
+            for request in fresh[:parties]:
+                request.gather = barrier
+            self._gathered = busy + parties
 
     def _authorization(self, instance_id: str) -> str | None:
         if self._bearer is None:
@@ -248,7 +265,10 @@ class Flusher:
                 for call in calls:
                     futures.append(engine.executor.submit(call))
             except RuntimeError:  # interpreter shutdown: the executor refuses new work
-                pass
+                for _, _, request in fresh[len(futures):]:
+                    if request.gather is not None:
+                        request.gather.abort()  # the ones sent so far must not wait for these
+                        break
         return futures + _run_on_daemon_threads(calls[len(futures):], self._options.workers)
 
     def _outcome(self, pair: Pair, pending: _Pending, joined: bool, started: float) -> FlushResult:
@@ -326,6 +346,7 @@ class Flusher:
         self._lock = threading.RLock()
         self._inflight = {}
         self._engine = None
+        self._gathered = 0
 
     def __enter__(self) -> Flusher:
         return self

@@ -56,6 +56,7 @@ USER_AGENT: Final = f"swe-flush-sync/{__version__}"
 RETRY_STATUSES: Final = frozenset({429, 500, 502, 503, 504})
 MAX_BODY_BYTES: Final = 64 * 1024
 _MIN_TIMEOUT: Final = 0.001
+GATHER_TIMEOUT: Final = 1.0  # seconds a request waits at most for the others of its gather
 _MIN_ATTEMPT: Final = 0.01  # seconds an attempt needs at least; less left: no more retries
 _STATUS_HINTS: Final = {
     401: "unauthorized: wrong or missing bearer secret",
@@ -85,6 +86,10 @@ class Request:
         self.gave_up = False  # the Retry stopped: the last attempt is one of the failed ones
         self.next_wait = 0.0
         self.stop_reason: str | None = None
+        # Set on the first pairs of a call that needs more connections than the pool ever
+        # had: each holds its connection here until all of them hold one (see ``hold``).
+        self.gather: threading.Barrier | None = None
+        self._held = False
         self._connections: list[HTTPConnection] = []
 
     def time_left(self) -> float:
@@ -94,6 +99,19 @@ class Request:
     def retry_time_left(self) -> float:
         """Seconds in which another attempt may still start."""
         return min(self.retry_until, self.expires_at) - time.monotonic()
+
+    def hold(self) -> None:
+        """Wait, holding a checked-out connection, until every request of its gather holds one.
+
+        So the pool grows to the call's parallelism in one step instead of one connection per
+        later call that happens to overlap more; a warm Flusher then never opens a new one.
+        The wait is bounded (``GATHER_TIMEOUT``, half the time left); a broken, aborted or
+        timed-out gather lets every request go on at once.
+        """
+        if self.gather is not None and not self._held:  # once: not again on a retry
+            self._held = True
+            with contextlib.suppress(threading.BrokenBarrierError):
+                self.gather.wait(max(min(GATHER_TIMEOUT, self.retry_time_left() / 2), 0))
 
     def track(self, connection: HTTPConnection) -> None:
         """Note a connection it uses (so ``abandon`` can shut its socket down)."""
@@ -116,6 +134,8 @@ class Request:
             self.abandon_reason = reason
         self.retry_until = self.expires_at = -math.inf
         self.abandoned.set()
+        if self.gather is not None:
+            self.gather.abort()
         for connection in list(self._connections):
             _shut(connection)
 
@@ -216,7 +236,7 @@ class _DeadlineRetry(Retry):
 
 
 class _TrackedConnectionMixin:
-    """Registers the connection with the request its thread is sending."""
+    """Registers the connection with the request its thread is sending; holds it if asked."""
 
     def connect(self) -> None:
         request = _current()
@@ -228,6 +248,7 @@ class _TrackedConnectionMixin:
         request = _current()
         if request is not None:
             request.track(self)  # type: ignore[arg-type]
+            request.hold()
         super().request(*args, **kwargs)  # type: ignore[misc]
 
 
