@@ -6,10 +6,14 @@ times, interleaved and warm, the median of several repetitions of:
 1. ``one-by-one async``: awaits one POST per id on an ``httpx.AsyncClient`` with no timeout,
    retrying any exception up to 3 times with a fixed 1 s sleep (today's async abort hook);
 2. ``sequential requests``: a plain loop of ``requests.post``;
-3. ``asyncio.gather`` over one ``httpx.AsyncClient`` (the best async peer);
+3. ``asyncio.gather`` over one ``httpx.AsyncClient`` (the best async peer), and
+   ``gather+Semaphore(16)`` with a 30 s timeout per request (the newer async hook);
 4. ``requests-futures`` ``FuturesSession`` (thread pool over requests);
-5. ``swe_flush_sync`` with a reused ``Flusher``;
-6. the ideal: L, one round trip.
+5. ``http.client floor``: raw ``http.client`` threads, one kept-alive connection per worker;
+6. ``urllib3 floor``: bare urllib3 ``urlopen`` (Retry, Timeout, one shared pool) on the same
+   threads: the floor of the stack swe_flush_sync is built on;
+7. ``swe_flush_sync`` with a reused ``Flusher``;
+8. the ideal: L, one round trip.
 
 Then the fault cells, connection reuse, peak RSS and threads of a 256-id flush, import time,
 and the targets. Prints a markdown report and writes it to ``benchmarks/results.md``.
@@ -37,6 +41,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import requests
+import urllib3
 from requests_futures.sessions import FuturesSession
 
 from swe_flush_sync import Flusher
@@ -46,7 +51,7 @@ from .stub_process import StubProcess
 SECRET = "bench-secret"
 HEADERS = {"Authorization": f"Bearer {SECRET}"}
 PEERS = ("one-by-one async", "sequential requests", "asyncio.gather", "gather+Semaphore(16)", "requests-futures",
-         "http.client floor", "swe_flush_sync")
+         "http.client floor", "urllib3 floor", "swe_flush_sync")
 SEQUENTIAL = ("one-by-one async", "sequential requests")
 SEQUENTIAL_LIMIT = 60.0  # a sequential measurement estimated longer than this is skipped
 QUICK_SEQUENTIAL_LIMIT = 1.0
@@ -94,6 +99,10 @@ class Peers:
         self.floor_pool = ThreadPoolExecutor(max_workers=max_n, thread_name_prefix="bench-floor")
         self.floor_local = threading.local()
         self.floor_bodies: dict[str, bytes] = {}
+        # The floor of the stack swe_flush_sync is built on: bare urllib3 ``urlopen`` with a
+        # Retry and a Timeout, one shared pool sized to the workers, on the same kind of threads.
+        self.urllib3_pool = urllib3.HTTPConnectionPool(*self.floor_address, maxsize=max_n)
+        self.urllib3_retry = urllib3.Retry(total=3, allowed_methods=None, status_forcelist={429, 500, 502, 503, 504})
 
     @staticmethod
     async def _client(limits: httpx.Limits) -> httpx.AsyncClient:
@@ -167,6 +176,21 @@ class Peers:
             raise TimeoutError
         return all(f.result() for f in done)
 
+    def _urllib3_post(self, instance_id: str) -> bool:
+        response = self.urllib3_pool.urlopen("POST", "/flush", body=self.floor_bodies[instance_id],
+                                             headers=FLOOR_HEADERS, retries=self.urllib3_retry,
+                                             timeout=urllib3.Timeout(connect=3, read=30))
+        return 200 <= response.status < 300
+
+    def urllib3_floor(self, ids: list[str], cap: float) -> bool:
+        for instance_id in ids:
+            if instance_id not in self.floor_bodies:
+                self.floor_bodies[instance_id] = json.dumps(self.body(instance_id)).encode()
+        done, pending = wait_futures([self.floor_pool.submit(self._urllib3_post, i) for i in ids], timeout=cap)
+        if pending:
+            raise TimeoutError
+        return all(f.result() for f in done)
+
     def futures_session(self, ids: list[str], cap: float) -> bool:
         futures = [self.futures.post(self.flush_url, json=self.body(i), headers=HEADERS) for i in ids]
         done, pending = wait_futures(futures, timeout=cap)
@@ -183,6 +207,7 @@ class Peers:
             "one-by-one async": self.one_by_one, "sequential requests": self.sequential,
             "asyncio.gather": self.gather, "gather+Semaphore(16)": self.gather_semaphore,
             "requests-futures": self.futures_session, "http.client floor": self.floor,
+            "urllib3 floor": self.urllib3_floor,
             "swe_flush_sync": lambda i, c: self.swe_flush_sync(i, c, deadline),
         }[peer]
         started = time.perf_counter()
@@ -197,6 +222,7 @@ class Peers:
         # FuturesSession.close() joins its workers, forever when one is stuck on a hung server
         self.futures.executor.shutdown(wait=False, cancel_futures=True)
         self.floor_pool.shutdown(wait=False, cancel_futures=True)
+        self.urllib3_pool.close()
         requests.Session.close(self.futures)
         for client in (self.gather_client, self.one_by_one_client, self.semaphore_client):
             with contextlib.suppress(Exception):
@@ -365,21 +391,23 @@ def report_markdown(args: argparse.Namespace, cells: list[dict[str, Any]], fault
              f"Machine: {os.cpu_count()} cores, Python {sys.version.split()[0]}; stub agent server in its own process "
              f"on 127.0.0.1; median of {args.reps} interleaved warm repetitions; times in ms; "
              f"run took {took:.0f}s (`python -m benchmarks{' --quick' if args.quick else ''}`).", "",
-             "| N | L (s) | ideal | http.client floor | swe_flush_sync | asyncio.gather | gather+Semaphore(16) "
-             "| requests-futures | sequential requests | one-by-one async | sfs / floor | sfs / gather "
-             "| Semaphore(16) / sfs | one-by-one / sfs |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| N | L (s) | ideal | http.client floor | urllib3 floor | swe_flush_sync | asyncio.gather "
+             "| gather+Semaphore(16) | requests-futures | sequential requests | one-by-one async | sfs / floor "
+             "| urllib3 floor / floor | sfs / urllib3 floor | sfs / gather | Semaphore(16) / sfs | one-by-one / sfs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for cell in cells:
         med = cell["median"]
         ideal = cell["latency"] or None
         sfs = med["swe_flush_sync"]
         lines.append(
             f"| {cell['n']} | {cell['latency']:g} | {ms(ideal) if ideal else '0'} | {ms(med['http.client floor'])} | "
-            f"**{ms(sfs)}** | {ms(med['asyncio.gather'])} | {ms(med['gather+Semaphore(16)'])} | "
+            f"{ms(med['urllib3 floor'])} | **{ms(sfs)}** | {ms(med['asyncio.gather'])} | "
+            f"{ms(med['gather+Semaphore(16)'])} | "
             f"{ms(med['requests-futures'])} | "
             f"{ms(med.get('sequential requests')) if 'sequential requests' in med else 'skipped'} | "
             f"{ms(med.get('one-by-one async')) if 'one-by-one async' in med else 'skipped'} | "
-            f"{ratio(sfs, med['http.client floor'])} | {ratio(sfs, med['asyncio.gather'])} | "
+            f"{ratio(sfs, med['http.client floor'])} | {ratio(med['urllib3 floor'], med['http.client floor'])} | "
+            f"{ratio(sfs, med['urllib3 floor'])} | {ratio(sfs, med['asyncio.gather'])} | "
             f"{ratio(med['gather+Semaphore(16)'], sfs)} | {ratio(med.get('one-by-one async'), sfs)} |")
     skipped = [(c["n"], c["latency"], c["skipped"]) for c in cells if c["skipped"]]
     for n, latency, peers in skipped:
@@ -437,6 +465,12 @@ def targets(cells: list[dict[str, Any]], faults: list[dict[str, Any]], reuse: di
     hang = next((f for f in faults if f["fault"] == "hang"), None)
     verdict("hung id, deadline 2 s: swe_flush_sync seconds to return", hang and hang["median"]["swe_flush_sync"], 2.1)
     verdict("reused Flusher: new TCP connections after two warm-up calls", float(reuse["new_after_first"]), 0)
+    for n, latency in ((64, 0.2), (256, 0.2), (64, 0.0)):  # context, not targets: the stack's own floor
+        cell = found.get((n, latency))
+        if cell and cell.get("urllib3 floor"):
+            out.append(f"(context) N={n} L={latency:g}: urllib3 floor / http.client floor "
+                       f"{cell['urllib3 floor'] / cell['http.client floor']:.2f}, swe_flush_sync / urllib3 floor "
+                       f"{cell['swe_flush_sync'] / cell['urllib3 floor']:.2f}")
     return out
 
 

@@ -57,6 +57,7 @@ RETRY_STATUSES: Final = frozenset({429, 500, 502, 503, 504})
 MAX_BODY_BYTES: Final = 64 * 1024
 _MIN_TIMEOUT: Final = 0.001
 GATHER_TIMEOUT: Final = 1.0  # seconds a request waits at most for the others of its gather
+_MAX_SHARED_HEADERS: Final = 4096
 _MIN_ATTEMPT: Final = 0.01  # seconds an attempt needs at least; less left: no more retries
 _STATUS_HINTS: Final = {
     401: "unauthorized: wrong or missing bearer secret",
@@ -373,19 +374,29 @@ class Transport:
                 requests.Request("POST", url + "/flush", headers={"Content-Type": "application/json"}))
             for url in server_urls
         }
+        self._headers: dict[tuple[str, str | None], requests.structures.CaseInsensitiveDict[str | bytes]] = {}
 
     def prepare(self, server_url: str, instance_id: str, authorization: str | None) -> requests.PreparedRequest:
-        """The ``POST {server_url}/flush`` of one id, copied from the server's template."""
+        """The ``POST {server_url}/flush`` of one id, copied from the server's template.
+
+        Its headers are shared, read-only, by every request with the same server and
+        bearer (urllib3 adds ``Content-Length`` from the body).
+        """
         template = self._templates[server_url]
-        body = json.dumps({"session_server_instance_id": instance_id}).encode()
         prepared = requests.PreparedRequest()
         prepared.method = template.method
         prepared.url = template.url
-        prepared.headers = template.headers.copy()
-        prepared.headers["Content-Length"] = str(len(body))
-        if authorization is not None:
-            prepared.headers["Authorization"] = authorization
-        prepared.body = body
+        key = (server_url, authorization)
+        headers = self._headers.get(key)
+        if headers is None:
+            if len(self._headers) >= _MAX_SHARED_HEADERS:  # one per id with a scoped bearer: bounded
+                self._headers.clear()
+            headers = self._headers[key] = template.headers.copy()
+            headers.pop("Content-Length", None)  # the template's "0"
+            if authorization is not None:
+                headers["Authorization"] = authorization
+        prepared.headers = headers
+        prepared.body = json.dumps({"session_server_instance_id": instance_id}).encode()
         return prepared
 
     def post(self, server_url: str, instance_id: str, authorization: str | None, request: Request) -> FlushResult:
@@ -440,6 +451,8 @@ def _read_cancelled(response: requests.Response, request: Request) -> int | None
                 break
             chunks.append(chunk)
             size += len(chunk)
+            if response.raw.length_remaining == 0:  # all of a Content-Length body: no read for EOF
+                break
         else:
             return None  # too large, or still trickling when its time was up
     except Exception:  # noqa: BLE001 - a body cut mid-way still flushed
