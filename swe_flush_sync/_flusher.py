@@ -233,16 +233,16 @@ class Flusher:
     def _gather_connections(self, fresh: list[Request], busy: int) -> None:
         """Let a call that needs more connections than the pool ever had open them all at once.
 
-        Its first pairs (one per free worker) each hold their connection until all of them
-        hold one (``Request.hold``): the pool grows to the call's parallelism in one step, and
-        later calls of that size reuse it and open none. A first call opens one per pair.
+        When a free worker is there for each of its pairs, each pair keeps its connection until
+        all are answered (``Request.hold``): the pool grows to the call's width in one step, and
+        later calls up to that width reuse it and open none. A first call opens one per pair.
+        (A call wider than the free workers keeps every worker busy: its pool fills anyway.)
         """
-        parties = min(len(fresh), self._options.workers - busy)
-        if parties > 1 and busy + parties > self._gathered:
-            barrier = threading.Barrier(parties)
-            for request in fresh[:parties]:
+        if 1 < len(fresh) <= self._options.workers - busy and busy + len(fresh) > self._gathered:
+            barrier = threading.Barrier(len(fresh))
+            for request in fresh:
                 request.gather = barrier
-            self._gathered = busy + parties
+            self._gathered = busy + len(fresh)
 
     def _authorization(self, instance_id: str) -> str | None:
         if self._bearer is None:
@@ -265,10 +265,8 @@ class Flusher:
                 for call in calls:
                     futures.append(engine.executor.submit(call))
             except RuntimeError:  # interpreter shutdown: the executor refuses new work
-                for _, _, request in fresh[len(futures):]:
-                    if request.gather is not None:
-                        request.gather.abort()  # the ones sent so far must not wait for these
-                        break
+                if fresh and fresh[0][2].gather is not None:
+                    fresh[0][2].gather.abort()  # the ones sent so far must not wait for the rest
         return futures + _run_on_daemon_threads(calls[len(futures):], self._options.workers)
 
     def _outcome(self, pair: Pair, pending: _Pending, joined: bool, started: float) -> FlushResult:
@@ -428,6 +426,7 @@ def flush(
     with Flusher(server_urls, admin_secret=admin_secret, bearer=bearer, max_workers=max_workers, retries=retries,
                  deadline=deadline, connect_timeout=connect_timeout, backoff_factor=backoff_factor,
                  linger=linger) as flusher:
+        flusher._gathered = flusher.options.workers  # one call, then the pool closes: nothing to warm
         return flusher.flush(instance_ids)
 
 

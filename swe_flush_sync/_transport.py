@@ -87,8 +87,8 @@ class Request:
         self.gave_up = False  # the Retry stopped: the last attempt is one of the failed ones
         self.next_wait = 0.0
         self.stop_reason: str | None = None
-        # Set on the first pairs of a call that needs more connections than the pool ever
-        # had: each holds its connection here until all of them hold one (see ``hold``).
+        # Set on the pairs of a call that needs more connections than the pool ever had:
+        # each keeps its connection until all of them are answered (see ``hold``).
         self.gather: threading.Barrier | None = None
         self._held = False
         self._connections: list[HTTPConnection] = []
@@ -102,17 +102,19 @@ class Request:
         return min(self.retry_until, self.expires_at) - time.monotonic()
 
     def hold(self) -> None:
-        """Wait, holding a checked-out connection, until every request of its gather holds one.
+        """Answered, its body unread (its connection still out of the pool): wait for the others.
 
-        So the pool grows to the call's parallelism in one step instead of one connection per
-        later call that happens to overlap more; a warm Flusher then never opens a new one.
-        The wait is bounded (``GATHER_TIMEOUT``, half the time left); a broken, aborted or
-        timed-out gather lets every request go on at once.
+        Every request of a gather keeps its connection until all of them have their answer, so
+        none reuses another's: the pool grows to the call's parallelism in one step instead of
+        one connection per later call that happens to overlap more, and a warm Flusher then
+        never opens a new one. Nothing is sent later for it. The wait is bounded
+        (``GATHER_TIMEOUT``, half the time left); a request of the gather that fails, or a
+        timed-out wait, lets every request go on at once.
         """
-        if self.gather is not None and not self._held:  # once: not again on a retry
+        if self.gather is not None and not self._held:
             self._held = True
             with contextlib.suppress(threading.BrokenBarrierError):
-                self.gather.wait(max(min(GATHER_TIMEOUT, self.retry_time_left() / 2), 0))
+                self.gather.wait(max(min(GATHER_TIMEOUT, self.time_left() / 2), 0))
 
     def track(self, connection: HTTPConnection) -> None:
         """Note a connection it uses (so ``abandon`` can shut its socket down)."""
@@ -141,8 +143,10 @@ class Request:
             _shut(connection)
 
     def finish(self) -> None:
-        """Forget its connections (they are back in the pool or closed)."""
+        """Forget its connections (they are back in the pool or closed); never keep a gather waiting."""
         self._connections = []
+        if self.gather is not None and not self._held:
+            self.gather.abort()  # it failed before its answer: the others must not wait for it
 
 
 def _shut(connection: HTTPConnection) -> None:
@@ -237,7 +241,7 @@ class _DeadlineRetry(Retry):
 
 
 class _TrackedConnectionMixin:
-    """Registers the connection with the request its thread is sending; holds it if asked."""
+    """Registers the connection with the request its thread is sending."""
 
     def connect(self) -> None:
         request = _current()
@@ -249,7 +253,6 @@ class _TrackedConnectionMixin:
         request = _current()
         if request is not None:
             request.track(self)  # type: ignore[arg-type]
-            request.hold()
         super().request(*args, **kwargs)  # type: ignore[misc]
 
 
@@ -417,6 +420,7 @@ class Transport:
                 cert=None,
                 proxies={},
             )
+            request.hold()
             status = response.status_code
             attempts = request.attempts
             if 200 <= status < 300:
