@@ -108,13 +108,13 @@ class Request:
         none reuses another's: the pool grows to the call's parallelism in one step instead of
         one connection per later call that happens to overlap more, and a warm Flusher then
         never opens a new one. Nothing is sent later for it. The wait is bounded
-        (``GATHER_TIMEOUT``, half the time left); a request of the gather that fails, or a
+        (``GATHER_TIMEOUT``, half the time to the deadline); a request of the gather that fails, or a
         timed-out wait, lets every request go on at once.
         """
         if self.gather is not None and not self._held:
             self._held = True
             with contextlib.suppress(threading.BrokenBarrierError):
-                self.gather.wait(max(min(GATHER_TIMEOUT, self.time_left() / 2), 0))
+                self.gather.wait(max(min(GATHER_TIMEOUT, self.retry_time_left() / 2), 0))
 
     def track(self, connection: HTTPConnection) -> None:
         """Note a connection it uses (so ``abandon`` can shut its socket down)."""
