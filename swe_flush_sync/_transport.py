@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Mapping
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import requests
 import requests.adapters
@@ -377,7 +377,7 @@ class Transport:
                 requests.Request("POST", url + "/flush", headers={"Content-Type": "application/json"}))
             for url in server_urls
         }
-        self._headers: dict[tuple[str, str | None], requests.structures.CaseInsensitiveDict[str | bytes]] = {}
+        self._headers: dict[tuple[str, str | None], dict[str, str]] = {}
 
     def prepare(self, server_url: str, instance_id: str, authorization: str | None) -> requests.PreparedRequest:
         """The ``POST {server_url}/flush`` of one id, copied from the server's template.
@@ -394,11 +394,14 @@ class Transport:
         if headers is None:
             if len(self._headers) >= _MAX_SHARED_HEADERS:  # one per id with a scoped bearer: bounded
                 self._headers.clear()
-            headers = self._headers[key] = template.headers.copy()
-            headers.pop("Content-Length", None)  # the template's "0"
+            headers = {str(name): str(value) for name, value in template.headers.items()
+                       if name.lower() != "content-length"}  # the template's "0"
             if authorization is not None:
                 headers["Authorization"] = authorization
-        prepared.headers = headers
+            self._headers[key] = headers
+        # A plain dict, not requests' CaseInsensitiveDict: urllib3 copies the headers of every
+        # request, and a dict copies in C. Only this adapter (and ``responses``) reads them.
+        prepared.headers = cast("requests.structures.CaseInsensitiveDict[str | bytes]", headers)
         prepared.body = json.dumps({"session_server_instance_id": instance_id}).encode()
         return prepared
 
