@@ -162,23 +162,20 @@ def _current() -> Request | None:
 
 
 class _DeadlineTimeout(Timeout):
-    """A urllib3 ``Timeout`` whose connect and read timeouts never reach past the request's end."""
+    """A urllib3 ``Timeout`` whose connect and read timeouts never reach past the request's end.
+
+    urllib3 clones the timeout it is given at the start of every attempt (retries included);
+    the clone is a plain ``Timeout`` of the time left then.
+    """
 
     def __init__(self, connect: float, request: Request) -> None:
         super().__init__(connect=connect, read=None)
         self.limit = connect
         self.request = request
 
-    def clone(self) -> _DeadlineTimeout:  # urllib3 clones it for every attempt
-        return _DeadlineTimeout(self.limit, self.request)
-
-    @property
-    def connect_timeout(self) -> float:
-        return max(min(self.limit, self.request.time_left()), _MIN_TIMEOUT)
-
-    @property
-    def read_timeout(self) -> float:
-        return max(self.request.time_left(), _MIN_TIMEOUT)
+    def clone(self) -> Timeout:
+        left = self.request.time_left()
+        return Timeout(connect=max(min(self.limit, left), _MIN_TIMEOUT), read=max(left, _MIN_TIMEOUT))
 
 
 class _DeadlineRetry(Retry):
@@ -465,7 +462,7 @@ def _read_cancelled(response: requests.Response, request: Request) -> int | None
     except Exception:  # noqa: BLE001 - a body cut mid-way still flushed
         return None
     try:
-        data = json.loads(b"".join(chunks))
+        data = json.loads(b"".join(chunks).decode())  # str: json skips sniffing the encoding
     except ValueError:
         return None
     cancelled = data.get("cancelled") if isinstance(data, dict) else None

@@ -11,7 +11,7 @@ import responses
 from responses.registries import OrderedRegistry
 from urllib3.exceptions import MaxRetryError, NameResolutionError, NewConnectionError, ProtocolError, ReadTimeoutError
 
-from swe_flush_sync import ConfigError, Flusher, FlushOptions, ScopedBearer, StaticBearer, flush
+from swe_flush_sync import ConfigError, Flusher, FlushOptions, ScopedBearer, StaticBearer, __version__, flush
 from swe_flush_sync._transport import build_retry, describe_failure
 
 from .conftest import SECRET
@@ -35,6 +35,9 @@ def test_wire_format_with_bearer() -> None:
     request = mocked.calls[0].request
     assert request.headers["Authorization"] == f"Bearer {SECRET}"
     assert request.headers["Content-Type"] == "application/json"
+    assert request.headers["User-Agent"] == f"swe-flush-sync/{__version__}"
+    # nothing a flush does not need: no gzip (the body is never decoded), no Accept, no Connection
+    assert {name.lower() for name in request.headers} == {"authorization", "content-type", "user-agent"}
     assert json.loads(request.body) == {"session_server_instance_id": "i1"}
 
 
