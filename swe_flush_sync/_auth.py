@@ -35,7 +35,7 @@ def check_token(token: object, source: str) -> str:
     """``token`` if it can travel in an HTTP header (printable ASCII), else ``ConfigError``."""
     if not isinstance(token, str):
         raise ConfigError(f"{source} must be a str, not {type(token).__name__}")
-    if not token or not all(" " <= ch <= "~" for ch in token):
+    if not token or not (token.isascii() and token.isprintable()):  # printable ASCII: " " to "~"
         raise ConfigError(f"{source} must be non-empty printable ASCII (it is sent in an HTTP header)")
     return token
 

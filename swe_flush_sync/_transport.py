@@ -57,7 +57,7 @@ RETRY_STATUSES: Final = frozenset({429, 500, 502, 503, 504})
 MAX_BODY_BYTES: Final = 64 * 1024
 _MIN_TIMEOUT: Final = 0.001
 GATHER_TIMEOUT: Final = 1.0  # seconds a request waits at most for the others of its gather
-_MAX_SHARED_HEADERS: Final = 4096
+_MAX_PREPARED: Final = 4096  # pairs whose request is kept for the next flush
 _MIN_ATTEMPT: Final = 0.01  # seconds an attempt needs at least; less left: no more retries
 _STATUS_HINTS: Final = {
     401: "unauthorized: wrong or missing bearer secret",
@@ -357,9 +357,10 @@ def build_session(*, hosts: int, pool_maxsize: int, retries: int, backoff_factor
 class Transport:
     """The Session and its adapter, with a prepared ``POST /flush`` per server URL.
 
-    Requests are copied from the prepared template and sent straight through the adapter:
-    the per-request merging of session settings, cookies and hooks in ``Session.request``
-    costs about a fifth of each request's CPU, and a flush needs none of it.
+    Each pair's request is built once from the server's prepared template, kept for the
+    next flush, and sent straight through the adapter: the per-request merging of session
+    settings, cookies and hooks in ``Session.request`` costs about a fifth of each
+    request's CPU, and a flush needs none of it.
     """
 
     def __init__(self, server_urls: tuple[str, ...], *, pool_maxsize: int, retries: int,
@@ -374,32 +375,32 @@ class Transport:
                 requests.Request("POST", url + "/flush", headers={"Content-Type": "application/json"}))
             for url in server_urls
         }
-        self._headers: dict[tuple[str, str | None], dict[str, str]] = {}
+        self._prepared: dict[tuple[str, str, str | None], requests.PreparedRequest] = {}
 
     def prepare(self, server_url: str, instance_id: str, authorization: str | None) -> requests.PreparedRequest:
-        """The ``POST {server_url}/flush`` of one id, copied from the server's template.
+        """The ``POST {server_url}/flush`` of one id: built once, then reused read-only.
 
-        Its headers are shared, read-only, by every request with the same server and
-        bearer (urllib3 adds ``Content-Length`` from the body).
+        A per-step abort flushes the same ids every step, so each pair's request (body and
+        headers; urllib3 adds ``Content-Length``) is kept, up to ``_MAX_PREPARED`` of them.
         """
-        template = self._templates[server_url]
-        prepared = requests.PreparedRequest()
-        prepared.method = template.method
-        prepared.url = template.url
-        key = (server_url, authorization)
-        headers = self._headers.get(key)
-        if headers is None:
-            if len(self._headers) >= _MAX_SHARED_HEADERS:  # one per id with a scoped bearer: bounded
-                self._headers.clear()
+        key = (server_url, instance_id, authorization)
+        prepared = self._prepared.get(key)
+        if prepared is None:
+            if len(self._prepared) >= _MAX_PREPARED:
+                self._prepared.clear()
+            template = self._templates[server_url]
             headers = {str(name): str(value) for name, value in template.headers.items()
                        if name.lower() != "content-length"}  # the template's "0"
             if authorization is not None:
                 headers["Authorization"] = authorization
-            self._headers[key] = headers
-        # A plain dict, not requests' CaseInsensitiveDict: urllib3 copies the headers of every
-        # request, and a dict copies in C. Only this adapter (and ``responses``) reads them.
-        prepared.headers = cast("requests.structures.CaseInsensitiveDict[str | bytes]", headers)
-        prepared.body = json.dumps({"session_server_instance_id": instance_id}).encode()
+            prepared = requests.PreparedRequest()
+            prepared.method = template.method
+            prepared.url = template.url
+            # A plain dict, not requests' CaseInsensitiveDict: urllib3 copies the headers of
+            # every request, and a dict copies in C. Only this adapter (and ``responses``) reads them.
+            prepared.headers = cast("requests.structures.CaseInsensitiveDict[str | bytes]", headers)
+            prepared.body = json.dumps({"session_server_instance_id": instance_id}).encode()
+            self._prepared[key] = prepared
         return prepared
 
     def post(self, server_url: str, instance_id: str, authorization: str | None, request: Request) -> FlushResult:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 
 import pytest
 import requests
@@ -12,7 +13,7 @@ from responses.registries import OrderedRegistry
 from urllib3.exceptions import MaxRetryError, NameResolutionError, NewConnectionError, ProtocolError, ReadTimeoutError
 
 from swe_flush_sync import ConfigError, Flusher, FlushOptions, ScopedBearer, StaticBearer, __version__, flush
-from swe_flush_sync._transport import build_retry, describe_failure
+from swe_flush_sync._transport import _MAX_PREPARED, Transport, build_retry, describe_failure
 
 from .conftest import SECRET
 
@@ -155,6 +156,35 @@ def test_describe_failure() -> None:
     assert describe_failure(exc=ReadTimeoutError(None, "/", "x")) == "read timed out"  # type: ignore[arg-type]
     assert describe_failure(exc=requests.ReadTimeout()) == "read timed out"
     assert describe_failure(exc=KeyError("k")) == "unexpected KeyError"
+
+
+@pytest.mark.parametrize("bearer", [StaticBearer(SECRET), ScopedBearer(SECRET * 2)], ids=["static", "scoped"])
+@mocked.activate
+def test_reused_flusher_sends_each_pair_its_own_body_and_bearer(bearer: StaticBearer | ScopedBearer) -> None:
+    # requests are kept across calls: a kept request must never go out for another pair
+    other = "http://agent-2.test:8000"
+    mocked.post(FLUSH, json=ok_body("x"))
+    mocked.post(other + "/flush", json=ok_body("x"))
+    with Flusher([URL, other], bearer=bearer) as flusher:
+        for _ in range(3):
+            assert flusher.flush(["a", "b", "c"]).ok
+    sent = Counter((call.request.url, json.loads(call.request.body)["session_server_instance_id"],
+                    call.request.headers["Authorization"]) for call in mocked.calls)
+    assert sent == {(url + "/flush", i, "Bearer " + bearer(i)): 3 for url in (URL, other) for i in "abc"}
+
+
+def test_kept_requests_are_bounded() -> None:
+    transport = Transport((URL,), pool_maxsize=1, retries=0, backoff_factor=0, connect_timeout=1)
+    try:
+        for k in range(_MAX_PREPARED + 10):
+            transport.prepare(URL, f"id-{k}", None)
+        assert len(transport._prepared) <= _MAX_PREPARED
+        prepared = transport.prepare(URL, "id-1", "Bearer t")
+        assert json.loads(prepared.body or b"") == {"session_server_instance_id": "id-1"}
+        assert prepared.headers["Authorization"] == "Bearer t"
+        assert "Authorization" not in transport.prepare(URL, "id-1", None).headers
+    finally:
+        transport.close()
 
 
 def test_bearer_reprs_hide_secrets() -> None:
