@@ -14,7 +14,7 @@ import time
 
 from swe_flush_sync import Flusher
 
-from .run import SECRET, LoopThread, Peers
+from .run import SECRET, LoopThread, Peers, time_interleaved
 from .stub_process import StubProcess
 
 TRIO = ("http.client floor", "urllib3 floor", "swe_flush_sync")
@@ -24,15 +24,7 @@ def cell(stub: StubProcess, peers: Peers, n: int, latency: float, reps: int) -> 
     """Median milliseconds of each of ``TRIO`` for ``n`` ids at teardown ``latency``."""
     stub.teardown(latency)
     ids = [f"focus-{n}-{latency}-{k}" for k in range(n)]
-    for peer in TRIO:  # warm-up, untimed
-        peers.run(peer, ids, cap=60)
-    times: dict[str, list[float]] = {peer: [] for peer in TRIO}
-    for rep in range(reps):
-        for peer in TRIO[rep % 3:] + TRIO[:rep % 3]:
-            seconds, ok = peers.run(peer, ids, cap=60)
-            if not ok:
-                raise RuntimeError(f"{peer} failed to flush in cell N={n} L={latency}")
-            times[peer].append(seconds)
+    times = time_interleaved(peers, list(TRIO), ids, reps, where=f"cell N={n} L={latency}", cap=60)
     return {peer: statistics.median(t) * 1000 for peer, t in times.items()}
 
 

@@ -245,6 +245,22 @@ def _capped(function: Callable[[], bool], cap: float) -> bool:
     return box[0]
 
 
+def time_interleaved(peers: Peers, names: list[str], ids: list[str], reps: int, *, where: str,
+                     cap: float = 120) -> dict[str, list[float]]:
+    """Seconds of each of ``names`` flushing ``ids``, ``reps`` times, in rotating order, after a warm-up."""
+    for peer in names:  # warm-up, untimed (the sequential peers gain nothing from it)
+        if peer not in SEQUENTIAL:
+            peers.run(peer, ids, cap=cap)
+    times: dict[str, list[float]] = {peer: [] for peer in names}
+    for rep in range(reps):
+        for peer in names[rep % len(names):] + names[:rep % len(names)]:  # interleaved
+            seconds, ok = peers.run(peer, ids, cap=cap)
+            if not ok:
+                raise RuntimeError(f"{peer} failed to flush in {where}")
+            times[peer].append(seconds)
+    return times
+
+
 def grid(stub: StubProcess, loop: LoopThread, ns: list[int], ls: list[float], reps: int,
          sequential_limit: float) -> list[dict[str, Any]]:
     """Median seconds of every peer in every (N, L) cell."""
@@ -255,19 +271,9 @@ def grid(stub: StubProcess, loop: LoopThread, ns: list[int], ls: list[float], re
             for latency in ls:
                 stub.teardown(latency)
                 ids = [f"n{n}-l{latency}-{k}" for k in range(n)]
-                times: dict[str, list[float]] = {p: [] for p in PEERS}
                 skipped = [p for p in SEQUENTIAL if n * (latency + 0.002) > sequential_limit]
-                active = [p for p in PEERS if p not in skipped]
-                for peer in active:  # warm-up, untimed (the sequential peers gain nothing from it)
-                    if peer not in SEQUENTIAL:
-                        peers.run(peer, ids, cap=120)
-                for rep in range(reps):
-                    order = active[rep % len(active):] + active[:rep % len(active)]  # interleaved
-                    for peer in order:
-                        seconds, ok = peers.run(peer, ids, cap=120)
-                        if not ok:
-                            raise RuntimeError(f"{peer} failed to flush in cell N={n} L={latency}")
-                        times[peer].append(seconds)
+                times = time_interleaved(peers, [p for p in PEERS if p not in skipped], ids, reps,
+                                         where=f"cell N={n} L={latency}")
                 cells.append({"n": n, "latency": latency, "skipped": skipped,
                               "median": {p: statistics.median(t) for p, t in times.items() if t}})
                 print(f"  N={n:<4} L={latency:<5} " + "  ".join(
