@@ -5,7 +5,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEPS := setup.cfg setup.py pyproject.toml
 
-.PHONY: demo test lint sdist-test bench bench-quick clean
+.PHONY: demo test lint matrix sdist-test bench bench-quick clean
+# The bin folders of every installed pyenv Python 3.10-3.13, put first on PATH for tox.
+PYENV_BINS := $(shell for v in $$(pyenv versions --bare 2>/dev/null | grep -E '^3\.1[0-3]\.[0-9]+$$'); do printf '%s:' "$$(pyenv prefix $$v)/bin"; done)
 
 $(VENV)/.installed: $(DEPS)
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +32,15 @@ lint: $(VENV)/.installed-lint
 	$(BIN)/ruff check swe_flush_sync tests benchmarks
 	$(BIN)/mypy --strict swe_flush_sync
 	test "$$($(BIN)/mypy --strict tests/typecheck/misspelt_options.py | grep -c 'Unexpected keyword argument')" = 4
+
+$(VENV)/.installed-matrix: $(VENV)/.installed
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,contract,matrix]'
+	touch $@
+
+# The suite on Python 3.10, 3.11, 3.12, 3.13 and on the declared dependency floors (setup.cfg
+# [tox:tox]); a missing interpreter fails the run.
+matrix: $(VENV)/.installed-matrix
+	PATH="$(PYENV_BINS)$$PATH" $(BIN)/tox run --skip-missing-interpreters false $(if $(ENVS),-e $(ENVS))
 
 # Build the sdist, unpack it elsewhere and run its own tests against it.
 sdist-test: $(VENV)/.installed

@@ -46,9 +46,9 @@ EXIT_USAGE = 2
 
 
 USAGE = """swe-flush [--url URL]... [--id ID]... [--ids-json PATH|-] [--secret-file PATH]
-                 [--deadline S] [--workers N] [--retries N] [--json] [-q | -v]
-       swe-flush demo [--instances N] [--teardown S] [--json]
-       swe-flush stub [--host H] [--port P] [--teardown S] [--secret-env VAR]"""
+                 [--deadline S] [--workers N] [--retries N] [--until-idle] [--json] [-q | -v]
+       swe-flush demo [--instances N] [--teardown S] [--max-concurrent N] [--until-idle] [--json]
+       swe-flush stub [--host H] [--port P] [--teardown S] [--max-concurrent N] [--secret-env VAR]"""
 EXIT_INTERRUPTED = 130
 _OPTION_FLAGS = {"max_workers": "--workers", "deadline": "--deadline", "retries": "--retries"}
 
@@ -100,6 +100,7 @@ def _flush_parser() -> _Parser:
                         help=f"seconds the whole flush may take (default {DEFAULT_DEADLINE:g})")
     parser.add_argument("--workers", type=int, default=None, metavar="N", help="requests in flight at once")
     parser.add_argument("--retries", type=int, default=3, metavar="N", help="retries per target (default 3)")
+    _add_until_idle(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("-q", "--quiet", action="store_true", help="print only the summary line")
     parser.add_argument("-v", "--verbose", action="count", default=0,
@@ -114,8 +115,21 @@ def _demo_parser() -> _Parser:
     parser.add_argument("--instances", type=int, default=8, metavar="N", help="session-server instances (default 8)")
     parser.add_argument("--teardown", type=float, default=0.5, metavar="S",
                         help="seconds each flush waits for its trials' teardown (default 0.5)")
+    _add_max_concurrent(parser)
+    _add_until_idle(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return parser
+
+
+def _add_until_idle(parser: _Parser) -> None:
+    parser.add_argument("--until-idle", action="store_true",
+                        help="flush each server again while its last round cancelled something (runs "
+                             "waiting for a slot start when one is freed)")
+
+
+def _add_max_concurrent(parser: _Parser) -> None:
+    parser.add_argument("--max-concurrent", type=int, default=None, metavar="N",
+                        help="stub server: trials running at once; more runs wait for a slot (default: no limit)")
 
 
 def _stub_parser() -> _Parser:
@@ -126,6 +140,7 @@ def _stub_parser() -> _Parser:
     parser.add_argument("--port", type=int, default=0, help="port to bind (default 0: a free one)")
     parser.add_argument("--teardown", type=float, default=0.0, metavar="S",
                         help="seconds each flush waits for its trials' teardown (default 0)")
+    _add_max_concurrent(parser)
     parser.add_argument("--secret-env", metavar="VAR",
                         help="require the bearer secret held by this environment variable")
     return parser
@@ -178,7 +193,7 @@ def _run_flush(ns: argparse.Namespace) -> int:
         else resolve_bearer()
     ids = normalize_instance_ids([*ns.ids, *(_read_ids_json(ns.ids_json) if ns.ids_json else ())])
     with Flusher(urls, bearer=bearer, deadline=ns.deadline, max_workers=ns.workers, retries=ns.retries,
-                 linger=0) as flusher:
+                 until_idle=ns.until_idle, linger=0) as flusher:
         report, interrupted = _flush_interruptibly(flusher, ids)
     _print_report(report, ns.json, quiet=ns.quiet)
     if interrupted:
@@ -249,15 +264,16 @@ def _print_report(report: FlushReport, as_json: bool, out: TextIO | None = None,
     if as_json:
         print(json.dumps(report.to_dict(), indent=2), file=out)
         return
-    rows = [("INSTANCE", "SERVER", "CANCELLED", "ATTEMPTS", "TIME", "RESULT")]
+    rows = [("INSTANCE", "SERVER", "CANCELLED", "PASSES", "IDLE", "ATTEMPTS", "TIME", "RESULT")]
     for r in () if quiet else report.results:
         rows.append((shown(r.instance_id, 80), shown(r.server_url), "-" if r.cancelled is None else str(r.cancelled),
-                     str(r.attempts), f"{r.elapsed:.2f}s", "ok" if r.ok else f"FAILED: {shown(r.error or '')}"))
+                     str(r.passes), {True: "yes", False: "no", None: "-"}[r.idle], str(r.attempts),
+                     f"{r.elapsed:.2f}s", "ok" if r.ok else f"FAILED: {shown(r.error or '')}"))
     if len(rows) > 1:
-        widths = [max(len(row[i]) for row in rows) for i in range(5)]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
         for row in rows:
-            cells = "  ".join(cell.ljust(width) for cell, width in zip(row[:5], widths, strict=True))
-            print(f"{cells}  {row[5]}", file=out)
+            cells = "  ".join(cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=True))
+            print(f"{cells}  {row[-1]}", file=out)
     print(report.summary() if report.results or report.error else "nothing to flush", file=out)
 
 
@@ -269,8 +285,10 @@ def _run_stub(ns: argparse.Namespace) -> int:
             raise ConfigError(f"--secret-env: {shown(ns.secret_env, 60)} is not set")
     if ns.teardown < 0 or not 0 <= ns.port <= 65535:
         raise ConfigError("--teardown must be >= 0 and --port from 0 to 65535")
+    _check_max_concurrent(ns.max_concurrent)
     try:
-        stub = AgentServerStub(secret=secret, teardown=ns.teardown, host=ns.host, port=ns.port).start()
+        stub = AgentServerStub(secret=secret, teardown=ns.teardown, host=ns.host, port=ns.port,
+                               max_concurrent=ns.max_concurrent).start()
     except OSError as exc:
         raise ConfigError(f"cannot serve on {shown(ns.host, 60)}:{ns.port}: {exc.strerror or exc}") from None
     print(stub.url, flush=True)
@@ -283,12 +301,18 @@ def _run_stub(ns: argparse.Namespace) -> int:
         stub.stop()
 
 
+def _check_max_concurrent(value: int | None) -> None:
+    if value is not None and value < 1:
+        raise ConfigError("--max-concurrent must be >= 1")
+
+
 def _run_demo(ns: argparse.Namespace) -> int:
     if ns.instances < 1 or ns.teardown < 0:
         raise ConfigError("--instances must be >= 1 and --teardown >= 0")
+    _check_max_concurrent(ns.max_concurrent)
     secret = secrets.token_urlsafe(16)
     ids = [f"demo-instance-{index}" for index in range(ns.instances)]
-    with AgentServerStub(secret=secret, teardown=ns.teardown) as stub:
+    with AgentServerStub(secret=secret, teardown=ns.teardown, max_concurrent=ns.max_concurrent) as stub:
         for index, instance_id in enumerate(ids):
             stub.add_trials(instance_id, 2 + index % 3)
         # Trainer args as the framework fills them: a port -> id map plus the singular id.
@@ -296,16 +320,18 @@ def _run_demo(ns: argparse.Namespace) -> int:
             session_server_instance_ids={8000 + index: instance_id for index, instance_id in enumerate(ids)},
             session_server_instance_id=ids[0],
         )
-        report = abort(args, environ={"AGENT_SERVER_URL": stub.url, "HARBOR_ADMIN_SECRET": secret})
-        left = sum(stub.trials(instance_id) for instance_id in ids)
+        report = abort(args, environ={"AGENT_SERVER_URL": stub.url, "HARBOR_ADMIN_SECRET": secret},
+                       until_idle=ns.until_idle)
+        left = sum(stub.trials(instance_id) for instance_id in ids) + stub.waiting()
     one_by_one = sum(result.elapsed for result in report.results)
     if ns.json:
         print(json.dumps({**report.to_dict(), "one_by_one_seconds": one_by_one, "trials_left": left}, indent=2))
     else:
-        print(f"swe-flush demo: {len(ids)} session-server instances, {report.cancelled} in-flight trials, "
+        slots = "" if ns.max_concurrent is None else f" ({ns.max_concurrent} run at once, the rest wait for a slot)"
+        print(f"swe-flush demo: {len(ids)} session-server instances, {report.cancelled} trials cancelled{slots}, "
               f"{ns.teardown:g}s teardown each, on a stub agent server at {stub.url}\n")
         _print_report(report, False)
         print(f"\nwall time: {report.elapsed:.2f}s in parallel; one by one it would have taken "
               f"{one_by_one:.2f}s (the sum of each flush's own time), {one_by_one / max(report.elapsed, 1e-9):.1f}x "
-              f"longer. Trials left running: {left}.")
+              f"longer. Trials left running or waiting: {left}.")
     return EXIT_OK if report.ok and left == 0 else EXIT_FAILED

@@ -1,17 +1,13 @@
 """``Flusher``: one future per (server, id) pair, a deadline kept by the calling thread, single flight.
 
-A flush submits one task per pair to a ``ThreadPoolExecutor`` (servers interleaved, so a
-deadline cuts every server's share alike) and waits with ``concurrent.futures.wait``. At the
-deadline it reports what is unfinished; a request still unanswered stays in flight for up to
-``linger`` seconds, and a later flush of the same pair joins it instead of sending again,
-so the server's teardown is never cut short by a second cancel.
-
-Nothing holds the process: an exception in the waiting thread (Ctrl-C) gives up the pairs in
-flight and re-raises; at interpreter shutdown, before ``concurrent.futures`` joins its
-workers, every request in flight is given up (sockets shut down); after ``os.fork()`` the
-child forgets the parent's pools and workers. Signal handlers and exit hooks run the same
-flush on plain daemon threads (``on_daemon_threads``): the executor refuses work at shutdown,
-and its locks may be held by the very code a signal interrupted.
+Pairs go to a ``ThreadPoolExecutor`` interleaved across servers; the calling thread waits with
+``concurrent.futures.wait`` and reports what is unfinished at the deadline. A request still
+unanswered then lingers (up to ``linger`` s): a later flush of the pair joins it rather than
+cancel the server's teardown a second time. Only the sending call holds a request's
+``CancelToken``; a joiner never gives it up. Lingering requests never keep a fresh pair from
+a worker: the oldest are given up to make room. With ``until_idle``, each server's pairs are
+flushed in rounds until a round cancels nothing. Signal and exit hooks pass their own runner
+(threads started when they were installed); a forked child forgets the parent's pools and workers.
 """
 
 from __future__ import annotations
@@ -19,69 +15,63 @@ from __future__ import annotations
 import concurrent.futures
 import concurrent.futures.thread  # imported now: its exit hook must be registered before ours
 import dataclasses
+import functools
 import os
-import queue
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
-from ._auth import BearerProvider, check_token
+from ._auth import check_token
 from ._errors import ConfigError, FlushError
-from ._logs import WORKER_THREAD_PREFIX, log_report
-from ._options import (
-    DEFAULT_BACKOFF_FACTOR,
-    DEFAULT_CONNECT_TIMEOUT,
-    DEFAULT_DEADLINE,
-    DEFAULT_LINGER,
-    DEFAULT_RETRIES,
-    FlushOptions,
-    check_seconds,
-)
+from ._logs import WORKER_THREAD_PREFIX, install_urllib3_filter, log_report
+from ._options import FlushOptions, check_seconds
 from ._report import FlushReport, FlushResult
 from ._resolve import normalize_instance_ids, normalize_server_urls
-from ._transport import Request, Transport
+from ._transport import CancelToken, Transport
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from ._options import OptionKwargs
 
 Pair = tuple[str, str]  # (server url, instance id)
+Call = Callable[[], FlushResult]  # one request, bound to its pair and token
+Runner = Callable[[Sequence[Call]], list[Future[FlushResult]]]  # runs calls elsewhere than the executor
+MAX_ROUNDS: Final = 64  # passes per pair at most with until_idle (the deadline usually ends them first)
 
 
-@dataclass(frozen=True, slots=True)
-class _Pending:
-    """A request some flush sent for a pair, and the future of its result."""
+class _Pending(NamedTuple):
+    """A request some call sent for a pair: its future, and the sender's cancel token."""
 
     future: Future[FlushResult]
-    request: Request
+    token: CancelToken
 
 
-@dataclass(frozen=True, slots=True)
-class _Engine:
-    """The HTTP pool and the executor; built on first use, and again in a forked child."""
+@dataclass(slots=True, eq=False)
+class _Track:
+    """One pair within one call: what it waits on now, and the passes answered so far."""
 
-    transport: Transport
-    executor: ThreadPoolExecutor
+    pair: Pair
+    pending: _Pending | None = None
+    joined: bool = False  # ``pending`` was sent by another call
+    passes: list[FlushResult] = field(default_factory=list)
+    final: FlushResult | None = None  # set when the pair needs no more passes
 
 
 class Flusher:
     """Flushes instance ids on agent servers in parallel, within a deadline; reusable.
 
-    Keeps one ``requests.Session`` (pool sized to the workers, so a warm Flusher opens no
-    new connection) and one ``ThreadPoolExecutor`` across calls: build it once and call
-    ``flush`` every rollout step. Thread-safe, fork-safe; a context manager.
+    Keeps one ``requests.Session`` (pool sized to the workers) and one ``ThreadPoolExecutor``
+    across calls: build it once, call ``flush`` every step. Thread- and fork-safe; a context manager.
 
     Args:
         server_urls: an agent server URL, a comma-separated list, or a sequence of URLs.
-        admin_secret: a static bearer secret, sent as ``Authorization: Bearer <secret>``.
-        bearer: a bearer provider instead (instance id -> token), e.g. ``ScopedBearer``.
-        max_workers: pairs in flight at once; default one per pair, up to 256.
-        retries: retries after the first attempt on connection errors and 429/5xx.
-        deadline: default seconds a ``flush`` may take (10 s); at most 3600.
-        connect_timeout: seconds one TCP connect may take (also clamped to the time left).
-        backoff_factor: exponential backoff base in seconds (with as much random jitter).
-        linger: seconds a request unanswered at the deadline stays in flight (default 120;
-            0 cuts it at the deadline). See ``FlushOptions``.
+        **options: the options of ``FlushOptions`` (``deadline``: 10 s by default, ``linger``,
+            ``until_idle``, ``admin_secret``/``bearer``, ...); a misspelt one is a ``TypeError``.
 
     Raises:
         ConfigError: an option is invalid; the message names it.
@@ -90,27 +80,12 @@ class Flusher:
         >>> with Flusher("http://agent:8000", admin_secret=secret) as flusher:  # doctest: +SKIP
         ...     report = flusher.flush(["inst-1", "inst-2"], deadline=5)
 
-    Not guaranteed: a worker blocked in a DNS lookup or a TCP connect can outlive the
-    deadline by the resolver's timeout or ``connect_timeout``; its pair is already reported.
+    Not guaranteed: a worker blocked in a DNS lookup or a TCP connect can outlive the deadline
+    by the resolver's timeout or ``connect_timeout``; its pair is already reported.
     """
 
-    def __init__(
-        self,
-        server_urls: str | Sequence[str],
-        *,
-        admin_secret: str | None = None,
-        bearer: BearerProvider | None = None,
-        max_workers: int | None = None,
-        retries: int = DEFAULT_RETRIES,
-        deadline: float = DEFAULT_DEADLINE,
-        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-        backoff_factor: float = DEFAULT_BACKOFF_FACTOR,
-        linger: float = DEFAULT_LINGER,
-    ) -> None:
-        options = FlushOptions(deadline=deadline, retries=retries, max_workers=max_workers,
-                               connect_timeout=connect_timeout, backoff_factor=backoff_factor, linger=linger,
-                               admin_secret=admin_secret, bearer=bearer)
-        self._setup(normalize_server_urls(server_urls), options)
+    def __init__(self, server_urls: str | Sequence[str], **options: Unpack[OptionKwargs]) -> None:
+        self._setup(normalize_server_urls(server_urls), FlushOptions(**options))
 
     @classmethod
     def from_options(cls, server_urls: str | Sequence[str], options: FlushOptions) -> Flusher:
@@ -125,8 +100,8 @@ class Flusher:
         self._bearer = options.bearer_provider
         self._lock = threading.RLock()  # re-entrant: a signal handler may flush while it is held
         self._inflight: dict[Pair, _Pending] = {}
-        self._engine: _Engine | None = None
-        self._gathered = 0  # the most connections the pool is known to have had at once
+        self._transport: Transport | None = None
+        self._executor: ThreadPoolExecutor | None = None
         self._closed = False
         _live.add(self)
 
@@ -141,108 +116,128 @@ class Flusher:
         return self._options
 
     @property
-    def deadline(self) -> float:
-        """The default deadline of ``flush``, in seconds."""
-        return self._options.deadline
-
-    @property
     def closed(self) -> bool:
         """True once ``close`` was called."""
         return self._closed
 
     def flush(self, instance_ids: str | Iterable[str] | Mapping[Any, str], *,
               deadline: float | None = None) -> FlushReport:
-        """POST ``/flush`` for every (server, id) pair in parallel; return within the deadline.
+        """POST ``/flush`` for every (server, id) pair in parallel, within ``deadline`` plus a few ms.
 
-        A pair whose earlier request is still in flight (lingering) is not sent again: this
-        call waits on that request and reports its answer, with ``joined=True``.
+        A pair whose earlier request is still in flight is not sent again: this call waits on it
+        and reports its answer with ``joined=True``.
 
         Args:
-            instance_ids: one id, an iterable of ids, or a Mapping whose values are ids;
-                duplicates, None and "" are dropped.
+            instance_ids: an id, an iterable of ids, or a Mapping whose values are ids (deduplicated;
+                None and "" dropped).
             deadline: seconds for this call; the Flusher's default when None.
 
         Returns:
-            A ``FlushReport``, one result per pair, server-major. Pairs unfinished at the
-            deadline fail with an error saying so. Nothing to flush: an empty ok report.
+            A ``FlushReport``, one result per pair, server-major; unfinished pairs fail saying so.
 
         Raises:
-            ConfigError: a bad id or deadline.
-            FlushError: the Flusher is closed.
-
-        The call returns within ``deadline`` plus a few milliseconds whatever the servers do.
+            ConfigError: a bad id or deadline. FlushError: the Flusher is closed.
         """
         ids = normalize_instance_ids(instance_ids)
         budget = self._options.deadline if deadline is None else check_seconds(deadline, "deadline")
-        report = self.flush_ids(ids, budget)
+        report = self._flush_ids(ids, budget)
         log_report(report)
         return report
 
-    def flush_ids(self, ids: tuple[str, ...], budget: float, *, on_daemon_threads: bool = False) -> FlushReport:
-        """``flush`` of validated ids, without logging; ``on_daemon_threads`` for signal and exit hooks."""
+    def _flush_ids(self, ids: tuple[str, ...], budget: float, *, runner: Runner | None = None) -> FlushReport:
+        """``flush`` of validated ids, without logging; ``runner`` (the signal and exit hooks' threads)
+        runs the requests instead of the executor, and nothing lingering is given up for room."""
         started = time.monotonic()
-        expires_at = started + budget
-        # Dispatch interleaves servers, so that a deadline cuts every server's share alike.
-        dispatch = [(url, instance_id) for instance_id in ids for url in self._urls]
-        if not dispatch:
+        deadline_at = started + budget
+        tracks = {pair: _Track(pair) for pair in ((url, i) for i in ids for url in self._urls)}  # interleaved
+        if not tracks:
             return FlushReport(elapsed=time.monotonic() - started)
         with self._lock:
             if self._closed:
                 raise FlushError("this Flusher is closed")
-            waiting, ready = self._dispatch(dispatch, expires_at, on_daemon_threads)
+            self._send_pass(list(tracks.values()), deadline_at, runner)
+        rounds = dict.fromkeys(self._urls, 1)
+        # Rounds wake at each answer: a server's next round never waits for another server.
+        until = concurrent.futures.FIRST_COMPLETED if self._options.until_idle else concurrent.futures.ALL_COMPLETED
         try:
-            concurrent.futures.wait([pending.future for pending, _ in waiting.values()],
-                                    timeout=max(expires_at - time.monotonic(), 0))
-        except BaseException:  # Ctrl-C or any other exception here: give the pairs up, re-raise
-            for pending, _ in waiting.values():
-                self._give_up(pending, "interrupted")
+            while True:
+                for url in self._urls:
+                    self._end_round_if_answered(url, tracks, rounds, deadline_at, runner)
+                waiting = [t.pending.future for t in tracks.values()
+                           if t.pending is not None and not t.pending.future.done()]
+                left = deadline_at - time.monotonic()
+                if not waiting or left <= 0:
+                    break
+                concurrent.futures.wait(waiting, timeout=left, return_when=until)
+        except BaseException:  # Ctrl-C or any other exception here: give up what this call sent, re-raise
+            for track in tracks.values():
+                if track.pending is not None and not track.joined:
+                    _give_up(track.pending, "interrupted")
             raise
-        results = tuple(
-            ready.get(pair) or self._outcome(pair, *waiting[pair], started)
-            for pair in ((url, instance_id) for url in self._urls for instance_id in ids)
-        )
+        results = tuple(self._result(tracks[(url, i)], started) for url in self._urls for i in ids)
         return FlushReport(results=results, elapsed=time.monotonic() - started)
 
-    def _dispatch(self, dispatch: list[Pair], expires_at: float,
-                  on_daemon_threads: bool) -> tuple[dict[Pair, tuple[_Pending, bool]], dict[Pair, FlushResult]]:
-        """Join or send every pair: (pair -> (pending, joined)), and the pairs failed up front."""
-        waiting: dict[Pair, tuple[_Pending, bool]] = {}
-        ready: dict[Pair, FlushResult] = {}
-        fresh: list[tuple[Pair, str | None, Request]] = []
-        self._forget_finished()
-        for pair in dispatch:
-            pending = self._inflight.get(pair)
+    def _end_round_if_answered(self, url: str, tracks: dict[Pair, _Track], rounds: dict[str, int],
+                               deadline_at: float, runner: Runner | None) -> None:
+        """Once all pairs of ``url`` in this round are answered: end them, or start the next round."""
+        going = [t for t in tracks.values() if t.pair[0] == url and t.final is None]
+        if not going or any(t.pending is not None and not t.pending.future.done() for t in going):
+            return
+        for track in going:
+            if track.pending is not None:
+                track.passes.append(_answer(track, track.pending))
+                track.pending = None
+        counting = [t for t in going if t.passes[-1].ok and t.passes[-1].cancelled is not None]
+        for track in going:  # a failed pass, or a server that does not count, ends the pair
+            if track not in counting or not self._options.until_idle:
+                track.final = _merged(track.passes, idle=None)
+        if not counting or not self._options.until_idle:
+            return
+        busy = any(t.passes[-1].cancelled for t in counting)
+        if busy and rounds[url] < MAX_ROUNDS and time.monotonic() < deadline_at:
+            rounds[url] += 1
+            with self._lock:
+                if not self._closed:
+                    self._send_pass(counting, deadline_at, runner)
+            return
+        for track in counting:  # idle: the round cancelled nothing; else the cap or the deadline stopped it
+            track.final = _merged(track.passes, idle=not busy)
+
+    def _send_pass(self, tracks: list[_Track], deadline_at: float, runner: Runner | None) -> None:
+        """Join or send one pass of each track (lock held); a pair without a bearer ends at once."""
+        self._make_room(0)  # forget answered requests first: their pairs are sent afresh
+        fresh: list[tuple[_Track, str | None, CancelToken]] = []
+        for track in tracks:
+            pending = self._inflight.get(track.pair)
             if pending is not None:  # single flight: an earlier request is still out
-                waiting[pair] = (pending, True)
+                track.pending, track.joined = pending, True
                 continue
             try:
-                authorization = self._authorization(pair[1])
+                authorization = self._authorization(track.pair[1])
             except ConfigError as exc:
-                ready[pair] = FlushResult(*pair, ok=False, error=str(exc))
+                track.final = _merged([*track.passes, FlushResult(*track.pair, ok=False, error=str(exc))], idle=None)
                 continue
-            fresh.append((pair, authorization, Request(expires_at, expires_at + self._options.linger)))
-        if not on_daemon_threads:
-            self._gather_connections([request for _, _, request in fresh], busy=len(self._inflight))
-        futures = self._submit(fresh, on_daemon_threads)
-        for (pair, _, request), future in zip(fresh, futures, strict=True):
-            pending = _Pending(future, request)
-            self._inflight[pair] = pending
-            waiting[pair] = (pending, False)
-        return waiting, ready
+            fresh.append((track, authorization, CancelToken(deadline_at, deadline_at + self._options.linger)))
+        self._make_room(0 if runner is not None else len(fresh))
+        transport = self._transport_now()
+        calls = [functools.partial(transport.post, *t.pair, auth, token) for t, auth, token in fresh]
+        for (track, _, token), future in zip(fresh, self._submit(calls, runner), strict=True):
+            track.pending = self._inflight[track.pair] = _Pending(future, token)
+            track.joined = False
 
-    def _gather_connections(self, fresh: list[Request], busy: int) -> None:
-        """Let a call that needs more connections than the pool ever had open them all at once.
-
-        When a free worker is there for each of its pairs, each pair keeps its connection until
-        all are answered (``Request.hold``): the pool grows to the call's width in one step, and
-        later calls up to that width reuse it and open none. A first call opens one per pair.
-        (A call wider than the free workers keeps every worker busy: its pool fills anyway.)
-        """
-        if 1 < len(fresh) <= self._options.workers - busy and busy + len(fresh) > self._gathered:
-            barrier = threading.Barrier(len(fresh))
-            for request in fresh:
-                request.gather = barrier
-            self._gathered = busy + len(fresh)
+    def _make_room(self, needed: int) -> None:
+        """Forget answered requests, give up those past their linger (a peer trickling for ever), then
+        the oldest lingering ones until ``needed`` fresh pairs each find a worker."""
+        now = time.monotonic()
+        for pair, pending in list(self._inflight.items()):
+            if pending.future.done() or pending.token.linger_until <= now:
+                _give_up(pending, "linger ran out")  # no-op on an answered one
+                del self._inflight[pair]
+        lingering = sorted((p for p in self._inflight.items() if p[1].token.deadline_at <= now),
+                           key=lambda item: item[1].token.deadline_at)
+        for pair, pending in lingering[:max(len(self._inflight) + needed - self._options.workers, 0)]:
+            _give_up(pending, "given up to make room for fresh pairs")
+            del self._inflight[pair]
 
     def _authorization(self, instance_id: str) -> str | None:
         if self._bearer is None:
@@ -255,96 +250,86 @@ class Flusher:
             raise ConfigError(f"the bearer provider raised {type(exc).__name__}") from None
         return "Bearer " + check_token(token, "the bearer provider's token")
 
-    def _submit(self, fresh: list[tuple[Pair, str | None, Request]],
-                on_daemon_threads: bool) -> list[Future[FlushResult]]:
-        engine = self._engine_now()
-        calls = [_bind(engine.transport, pair, authorization, request) for pair, authorization, request in fresh]
+    def _submit(self, calls: Sequence[Call], runner: Runner | None) -> list[Future[FlushResult]]:
+        if runner is not None:
+            return runner(calls)
         futures: list[Future[FlushResult]] = []
-        if not on_daemon_threads:
+        executor = self._executor_now()
+        for call in calls:
             try:
-                for call in calls:
-                    futures.append(engine.executor.submit(call))
-            except RuntimeError:  # interpreter shutdown: the executor refuses new work
-                if fresh and fresh[0][2].gather is not None:
-                    fresh[0][2].gather.abort()  # the ones sent so far must not wait for the rest
-        return futures + _run_on_daemon_threads(calls[len(futures):], self._options.workers)
+                futures.append(executor.submit(call))
+            except RuntimeError:  # at interpreter shutdown the executor refuses work: here, one by one
+                futures.append(_run_here(call))
+        return futures
 
-    def _outcome(self, pair: Pair, pending: _Pending, joined: bool, started: float) -> FlushResult:
-        future = pending.future
-        if future.done() and not future.cancelled():
-            result = future.result()
-            return dataclasses.replace(result, joined=True) if joined else result
-        elapsed = time.monotonic() - started
-        request = pending.request
-        reason = request.abandon_reason if request.abandoned.is_set() else "deadline passed"
-        if future.cancel() or future.cancelled():  # never started
-            return FlushResult(*pair, ok=False, elapsed=elapsed, error=f"{reason} before it was sent", joined=joined)
-        if request.abandoned.is_set() or self._options.linger == 0:
-            self._give_up(pending, reason)
+    def _result(self, track: _Track, started: float) -> FlushResult:
+        """The pair's result at the end of the call; a pass still out is reported unfinished."""
+        if track.final is not None:
+            return track.final
+        idle = False if self._options.until_idle else None
+        pending = track.pending
+        if pending is None:  # answered, but its server's round was cut by the deadline
+            return _merged(track.passes, idle=idle)
+        if pending.future.done():
+            return _merged([*track.passes, _answer(track, pending)], idle=idle)
+        token = pending.token
+        reason = token.reason if token.cancelled.is_set() else "deadline passed"
+        if track.joined:  # not ours to give up: the call that sent it keeps it
+            error = f"{reason} while waiting on the request an earlier call sent"
+        elif pending.future.cancel():  # never started
+            error = f"{reason} before it was sent"
+        elif token.cancelled.is_set() or self._options.linger == 0:
+            _give_up(pending, reason)
             error = f"{reason} while in flight"
         else:
             error = f"deadline passed while in flight (left in flight for up to {self._options.linger:g}s)"
-        return FlushResult(*pair, ok=False, attempts=request.attempts, elapsed=elapsed, error=error, joined=joined)
+        unfinished = FlushResult(*track.pair, ok=False, attempts=token.attempts, elapsed=time.monotonic() - started,
+                                 error=error, joined=track.joined)
+        return _merged([*track.passes, unfinished], idle=idle)
 
-    @staticmethod
-    def _give_up(pending: _Pending, reason: str) -> None:
-        pending.future.cancel()
-        pending.request.abandon(reason)
+    def _transport_now(self) -> Transport:
+        if self._transport is None:
+            install_urllib3_filter()
+            self._transport = Transport(self._urls, self._options)
+        return self._transport
 
-    def _forget_finished(self) -> None:
-        """Drop finished requests from the in-flight map; give up those past their linger."""
-        now = time.monotonic()
-        for pair, pending in list(self._inflight.items()):
-            if pending.future.done():
-                del self._inflight[pair]
-            elif pending.request.expires_at <= now:  # a peer that trickles bytes for ever
-                self._give_up(pending, "linger ran out")
-                del self._inflight[pair]
-
-    def _engine_now(self) -> _Engine:
-        if self._engine is None:
-            options = self._options
-            transport = Transport(self._urls, pool_maxsize=options.workers, retries=options.retries,
-                                  backoff_factor=options.backoff_factor, connect_timeout=options.connect_timeout)
-            executor = ThreadPoolExecutor(max_workers=options.workers, thread_name_prefix=WORKER_THREAD_PREFIX)
-            self._engine = _Engine(transport, executor)
-        return self._engine
+    def _executor_now(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(self._options.workers, thread_name_prefix=WORKER_THREAD_PREFIX)
+        return self._executor
 
     def warm_up(self) -> None:
         """Build the pool and a request now, so that nothing is imported lazily later."""
-        with self._lock:
-            engine = self._engine_now()
-        for url in self._urls:
-            engine.transport.prepare(url, "warm-up", None)
+        self._transport_now().prepare(self._urls[0], "warm-up", None)
 
     def abandon_in_flight(self, reason: str) -> None:
         """Give up every request in flight or lingering now (sockets shut down). Lock-free."""
         for pending in self._inflight.copy().values():
-            self._give_up(pending, reason)
+            _give_up(pending, reason)
 
     def close(self) -> None:
-        """Give up every request in flight and release the pool and the workers; never waits.
-
-        A flush running in another thread returns at once with its pairs failed.
-        """
+        """Give up every request in flight, release the pool and the workers; never waits (a flush
+        running in another thread returns at once, its pairs failed)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            engine, self._engine = self._engine, None
+            transport, executor = self._transport, self._executor
+            self._transport = self._executor = None
             self.abandon_in_flight("the Flusher was closed")
             self._inflight.clear()
         _live.discard(self)
-        if engine is not None:
-            engine.executor.shutdown(wait=False, cancel_futures=True)
-            engine.transport.close()
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
+        if transport is not None:
+            transport.close()
 
     def _forget_after_fork(self) -> None:
         """In a forked child: the parent's pool, workers, sockets and locks are not ours."""
         self._lock = threading.RLock()
         self._inflight = {}
-        self._engine = None
-        self._gathered = 0
+        self._transport = None
+        self._executor = None
 
     def __enter__(self) -> Flusher:
         return self
@@ -356,77 +341,49 @@ class Flusher:
         return f"Flusher(server_urls={self._urls!r}, options={self._options!r})"
 
 
-def _bind(transport: Transport, pair: Pair, authorization: str | None, request: Request) -> Callable[[], FlushResult]:
-    return lambda: transport.post(pair[0], pair[1], authorization, request)
+def _give_up(pending: _Pending, reason: str) -> None:
+    pending.future.cancel()
+    pending.token.cancel(reason)
 
 
-def _run_on_daemon_threads(calls: list[Callable[[], FlushResult]], workers: int) -> list[Future[FlushResult]]:
-    """Run ``calls`` on up to ``workers`` plain daemon threads; in this thread where none can start."""
-    if not calls:
-        return []
-    futures: list[Future[FlushResult]] = [Future() for _ in calls]
-    tasks: queue.SimpleQueue[tuple[Future[FlushResult], Callable[[], FlushResult]]] = queue.SimpleQueue()
-    for task in zip(futures, calls, strict=True):
-        tasks.put(task)
-
-    def drain() -> None:
-        while True:
-            try:
-                future, call = tasks.get_nowait()
-            except queue.Empty:
-                return
-            if future.set_running_or_notify_cancel():
-                future.set_result(call())  # Transport.post never raises
-
-    started = 0
-    for _ in range(min(len(calls), workers)):
-        thread = threading.Thread(target=drain, name=f"{WORKER_THREAD_PREFIX}-daemon", daemon=True)
-        try:
-            thread.start()
-        except RuntimeError:  # "can't create new thread at interpreter shutdown" (3.12)
-            break
-        started += 1
-    if started == 0:
-        drain()  # one by one in the calling thread, each bounded by the deadline
-    return futures
+def _answer(track: _Track, pending: _Pending) -> FlushResult:
+    """The result of the track's finished request; one cancelled before it started, as a failure."""
+    future, token = pending.future, pending.token
+    if future.cancelled():
+        return FlushResult(*track.pair, ok=False, error=f"{token.reason} before it was sent", joined=track.joined)
+    result = future.result()  # Transport.post returns failures; an exception here is a bug, and raises
+    return dataclasses.replace(result, joined=True) if track.joined else result
 
 
-def flush(
-    server_urls: str | Sequence[str],
-    instance_ids: str | Iterable[str] | Mapping[Any, str],
-    *,
-    admin_secret: str | None = None,
-    bearer: BearerProvider | None = None,
-    max_workers: int | None = None,
-    retries: int = DEFAULT_RETRIES,
-    deadline: float = DEFAULT_DEADLINE,
-    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-    backoff_factor: float = DEFAULT_BACKOFF_FACTOR,
-    linger: float = 0.0,
-) -> FlushReport:
-    """One-shot flush: build a ``Flusher``, flush ``instance_ids``, close it.
+def _merged(passes: list[FlushResult], *, idle: bool | None) -> FlushResult:
+    """One result of a pair's passes: the last one's outcome, counts summed over all of them."""
+    counts = [p.cancelled for p in passes if p.cancelled is not None]
+    return dataclasses.replace(
+        passes[-1], cancelled=sum(counts) if counts else None, attempts=sum(p.attempts for p in passes),
+        elapsed=sum(p.elapsed for p in passes), passes=sum(1 for p in passes if p.ok), idle=idle,
+        joined=all(p.joined for p in passes))
 
-    The pool closes with the call, so nothing lingers: ``linger`` defaults to 0 here.
 
-    Args:
-        server_urls: as for ``Flusher``.
-        instance_ids: as for ``Flusher.flush``.
-        admin_secret, bearer, max_workers, retries, deadline, connect_timeout, backoff_factor,
-            linger: as for ``Flusher``.
+def _run_here(call: Call) -> Future[FlushResult]:
+    """``call`` run now in this thread (bounded by its token), as a finished future."""
+    future: Future[FlushResult] = Future()
+    future.set_running_or_notify_cancel()
+    future.set_result(call())
+    return future
 
-    Returns:
-        The ``FlushReport``.
 
-    Raises:
-        ConfigError: bad URLs, ids or options.
+def flush(server_urls: str | Sequence[str], instance_ids: str | Iterable[str] | Mapping[Any, str],
+          **options: Unpack[OptionKwargs]) -> FlushReport:
+    """One-shot flush: build a ``Flusher``, flush ``instance_ids``, close it; returns the ``FlushReport``.
+
+    Arguments as for ``Flusher`` and ``Flusher.flush``; ``linger`` defaults to 0 here (the pool
+    closes with the call). Raises ``ConfigError`` on bad URLs, ids or options.
 
     Example:
         >>> flush("http://agent:8000", ["inst-1"], deadline=5).raise_for_failures()  # doctest: +SKIP
     """
-    with Flusher(server_urls, admin_secret=admin_secret, bearer=bearer, max_workers=max_workers, retries=retries,
-                 deadline=deadline, connect_timeout=connect_timeout, backoff_factor=backoff_factor,
-                 linger=linger) as flusher:
-        flusher._gathered = flusher.options.workers  # one call, then the pool closes: nothing to warm
+    options.setdefault("linger", 0.0)
+    with Flusher(server_urls, **options) as flusher:
         return flusher.flush(instance_ids)
 
 
@@ -444,10 +401,4 @@ def _after_fork_in_child() -> None:
         flusher._forget_after_fork()
 
 
-# Runs when the main thread ends, before concurrent.futures joins its (non-daemon) workers:
-# giving every request up first lets them end at once, so a lingering request never holds
-# the process. ``threading._register_atexit`` is what concurrent.futures itself uses.
-_register_thread_exit: Callable[[Callable[[], None]], None] | None = getattr(threading, "_register_atexit", None)
-if _register_thread_exit is not None:
-    _register_thread_exit(abandon_all_in_flight)
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -13,39 +13,61 @@ from __future__ import annotations
 import asyncio
 import atexit
 import dataclasses
-import functools
 import logging
 import os
+import queue
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from types import FrameType
-from typing import Any, Final, ParamSpec
+from typing import TYPE_CHECKING, Any, Final
 
-from ._auth import BearerProvider
 from ._errors import ConfigError, FlushError
-from ._flusher import Flusher, abandon_all_in_flight
-from ._logs import log_report, run_bounded, urllib3_silenced
-from ._options import (
-    DEFAULT_BACKOFF_FACTOR,
-    DEFAULT_CONNECT_TIMEOUT,
-    DEFAULT_DEADLINE,
-    DEFAULT_LINGER,
-    DEFAULT_RETRIES,
-    FlushOptions,
-)
+from ._flusher import Call, Flusher, abandon_all_in_flight
+from ._logs import WORKER_THREAD_PREFIX, log_report, run_bounded, urllib3_silenced
+from ._options import DEFAULT_DEADLINE, FlushOptions
 from ._report import FlushReport
 from ._resolve import URL_ENV_VARS, resolve_bearer, resolve_instance_ids, resolve_server_urls
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from ._options import HookOptionKwargs, OptionKwargs
+    from ._report import FlushResult
+
 log = logging.getLogger(__name__)
-P = ParamSpec("P")
 
 _CACHE_SIZE: Final = 8
 _HOOK_LOG_TIMEOUT: Final = 0.5  # seconds a signal or exit hook waits for its own logging
+STANDBY_THREADS: Final = 32  # idle daemon threads kept from the first hook install on
 _cache_lock = threading.RLock()  # re-entrant: a signal may land while abort() holds it
 _cache: dict[tuple[tuple[str, ...], FlushOptions], Flusher] = {}
+
+
+def register_at_thread_exit(callback: Callable[[], None]) -> bool:
+    """Run ``callback`` when the main thread ends, before non-daemon threads are joined.
+
+    That is ``threading``'s own exit stage (``threading._register_atexit``, what
+    ``concurrent.futures`` uses): it runs before ``atexit``, while new threads can still start
+    (Python 3.12 refuses them in ``atexit``); later registrations run first. False where this
+    Python has no such stage, or it has begun.
+    """
+    register: Callable[[Callable[[], None]], None] | None = getattr(threading, "_register_atexit", None)
+    if register is None:
+        return False
+    try:
+        register(callback)
+    except RuntimeError:  # "can't register atexit after shutdown"
+        return False
+    return True
+
+
+# Giving every request up when the main thread ends lets concurrent.futures (imported by
+# _flusher, so its exit hook runs after this one) join its workers at once.
+register_at_thread_exit(abandon_all_in_flight)
 
 
 class _State:
@@ -76,18 +98,71 @@ def _close_cached_flushers() -> None:
 def _after_fork_in_child() -> None:
     global _cache_lock
     _cache_lock = threading.RLock()  # another thread of the parent may have held it
+    _standby.forget_after_fork()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _abort_report(args: Any, environ: Mapping[str, str] | None, make_options: Callable[[], FlushOptions],
+class _Standby:
+    """Daemon threads started when a hook is installed, idle until a signal or exit flush needs them.
+
+    Python 3.12 starts no thread once the main thread has ended (not even in ``threading``'s exit
+    stage), and a signal may land while the executor's locks are held; these threads exist
+    already and take their work from a ``SimpleQueue``, which a signal handler may feed. More
+    are started when a flush needs them and threads can start; with none at all, the calls run
+    one by one in the calling thread.
+    """
+
+    def __init__(self) -> None:
+        self._tasks: queue.SimpleQueue[tuple[Future[FlushResult], Call]] = queue.SimpleQueue()
+        self._threads = 0
+
+    def keep(self, count: int) -> None:
+        """Start threads until ``count`` are there (fewer where none can start)."""
+        while self._threads < count:
+            thread = threading.Thread(target=self._serve, name=f"{WORKER_THREAD_PREFIX}-standby", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError:  # "can't create new thread at interpreter shutdown"
+                return
+            self._threads += 1
+
+    def _serve(self) -> None:
+        while True:
+            future, call = self._tasks.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(call())
+                except Exception as exc:  # noqa: BLE001 - a bug: carried to the caller, as an executor does
+                    future.set_exception(exc)
+
+    def run(self, calls: Sequence[Call], workers: int) -> list[Future[FlushResult]]:
+        """Run ``calls`` on up to ``workers`` standby threads; their futures."""
+        self.keep(min(len(calls), workers))
+        futures: list[Future[FlushResult]] = [Future() for _ in calls]
+        for task in zip(futures, calls, strict=True):
+            if self._threads:
+                self._tasks.put(task)
+            elif task[0].set_running_or_notify_cancel():
+                task[0].set_result(task[1]())
+        return futures
+
+    def forget_after_fork(self) -> None:
+        """In a forked child the parent's threads are gone (more start on demand)."""
+        self._tasks = queue.SimpleQueue()
+        self._threads = 0
+
+
+_standby = _Standby()
+
+
+def _abort_report(args: Any, environ: Mapping[str, str] | None, options: FlushOptions,
                   *, on_daemon_threads: bool) -> FlushReport:
     """The report of one abort; never raises, never logs."""
     started = time.monotonic()
     try:
         env = os.environ if environ is None else environ
-        options = make_options()
         urls = resolve_server_urls(env)
         if not urls:
             _say_no_server_once(on_daemon_threads)
@@ -97,10 +172,11 @@ def _abort_report(args: Any, environ: Mapping[str, str] | None, make_options: Ca
             return FlushReport(elapsed=time.monotonic() - started)
         if options.admin_secret is None and options.bearer is None:
             options = dataclasses.replace(options, bearer=resolve_bearer(env))
-        return _cached_flusher(urls, options).flush_ids(ids, options.deadline, on_daemon_threads=on_daemon_threads)
+        runner = (lambda calls: _standby.run(calls, options.workers)) if on_daemon_threads else None
+        return _cached_flusher(urls, options)._flush_ids(ids, options.deadline, runner=runner)
     except FlushError as exc:
         error = str(exc)
-    except Exception as exc:  # noqa: BLE001 - never crash the trainer; the message could hold anything
+    except Exception as exc:  # noqa: BLE001 - the "never raises" boundary; the message could hold anything
         error = f"unexpected {type(exc).__name__} while flushing"
     return FlushReport(elapsed=time.monotonic() - started, error=error)
 
@@ -112,19 +188,7 @@ def _say_no_server_once(on_daemon_threads: bool) -> None:
     log.info("abort: no agent server configured (%s unset); nothing is flushed", " and ".join(URL_ENV_VARS))
 
 
-def abort(
-    args: Any,
-    *,
-    environ: Mapping[str, str] | None = None,
-    admin_secret: str | None = None,
-    bearer: BearerProvider | None = None,
-    deadline: float = DEFAULT_DEADLINE,
-    retries: int = DEFAULT_RETRIES,
-    max_workers: int | None = None,
-    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-    backoff_factor: float = DEFAULT_BACKOFF_FACTOR,
-    linger: float = DEFAULT_LINGER,
-) -> FlushReport:
+def abort(args: Any, *, environ: Mapping[str, str] | None = None, **options: Unpack[OptionKwargs]) -> FlushReport:
     """Flush every session-server instance of ``args`` on every agent server; never raises.
 
     The synchronous twin of the async abort hook: ids from ``args`` (see
@@ -140,54 +204,49 @@ def abort(
     Args:
         args: trainer args (attributes) or a Mapping.
         environ: the environment to read instead of ``os.environ``.
-        admin_secret, bearer: override the environment's bearer (see ``FlushOptions``).
-        deadline, retries, max_workers, connect_timeout, backoff_factor, linger: see
-            ``FlushOptions``.
+        **options: the keyword options of ``FlushOptions`` (``deadline``, ``until_idle``,
+            ``admin_secret``/``bearer`` to override the environment's bearer, ...).
 
     Returns:
         The ``FlushReport``. No server or no ids: an empty ok report, nothing sent (no server
         configured is said once per process at INFO). A configuration problem (a bad option
         or environment value) is logged as one warning and returned in ``report.error``.
 
+    Raises:
+        TypeError: a misspelt option (at the call, like any misspelt keyword).
+
     Example:
         >>> report = abort(args)  # doctest: +SKIP
     """
-    make_options = functools.partial(
-        FlushOptions, admin_secret=admin_secret, bearer=bearer, deadline=deadline, retries=retries,
-        max_workers=max_workers, connect_timeout=connect_timeout, backoff_factor=backoff_factor, linger=linger)
-    report = _abort_report(args, environ, make_options, on_daemon_threads=False)
+    try:
+        flush_options = FlushOptions(**options)
+    except ConfigError as exc:
+        report = FlushReport(error=str(exc))
+    else:
+        report = _abort_report(args, environ, flush_options, on_daemon_threads=False)
     log_report(report)
     return report
 
 
-def _off_the_event_loop(function: Callable[P, FlushReport]) -> Callable[P, Coroutine[Any, Any, FlushReport]]:
-    """``function`` as a coroutine function with the same typed signature, run in a worker thread."""
-    @functools.wraps(function)
-    async def run(*args: P.args, **kwargs: P.kwargs) -> FlushReport:
-        return await asyncio.to_thread(function, *args, **kwargs)
+async def abort_async(args: Any, *, environ: Mapping[str, str] | None = None,
+                      **options: Unpack[OptionKwargs]) -> FlushReport:
+    """``abort`` as a coroutine, run off the event-loop thread so the loop keeps serving.
 
-    return run
+    A drop-in async abort hook (``from swe_flush_sync import abort_async as abort``). Takes
+    exactly the arguments of ``abort`` and returns its ``FlushReport``. Cancelling the awaiting
+    task does not stop the flush, which still ends by its deadline.
 
-
-abort_async = _off_the_event_loop(abort)
-abort_async.__name__ = abort_async.__qualname__ = "abort_async"
-abort_async.__doc__ = """``abort`` as a coroutine, run off the event-loop thread so the loop keeps serving.
-
-A drop-in async abort hook (``from swe_flush_sync import abort_async as abort``). Takes
-exactly the arguments of ``abort`` (typed: a misspelt one is a ``TypeError``) and returns its
-``FlushReport``. Cancelling the awaiting task does not stop the flush, which still ends by its
-deadline.
-
-Example:
-    >>> report = await abort_async(args, deadline=5)  # doctest: +SKIP
-"""
+    Example:
+        >>> report = await abort_async(args, deadline=5)  # doctest: +SKIP
+    """
+    return await asyncio.to_thread(abort, args, environ=environ, **options)
 
 
 def _hook_flush(args: Any, environ: Mapping[str, str] | None, options: FlushOptions) -> FlushReport:
     """The flush of a signal or exit hook: nothing lingering, nothing logged from a worker."""
     with urllib3_silenced():
         abandon_all_in_flight("given up by the signal or exit hook")
-        report = _abort_report(args, environ, lambda: options, on_daemon_threads=True)
+        report = _abort_report(args, environ, options, on_daemon_threads=True)
     run_bounded(lambda: _log_and_flush_stdio(report), _HOOK_LOG_TIMEOUT)
     return report
 
@@ -203,10 +262,11 @@ def _log_and_flush_stdio(report: FlushReport) -> None:
 
 
 def _prepare_hook(options: FlushOptions) -> None:
-    """Validate the options now (a bad one raises at install), and build the request path
-    once, so that nothing is imported lazily when the hook runs."""
+    """Build the request path once, so that nothing is imported lazily when the hook runs, and
+    start the standby threads it will flush on."""
     with Flusher.from_options("http://127.0.0.1", options) as flusher:
         flusher.warm_up()
+    _standby.keep(min(options.workers, STANDBY_THREADS))
 
 
 class SignalHook:
@@ -270,19 +330,8 @@ def _require_main_thread(what: str) -> None:
         raise ConfigError(f"{what} must be called from the main thread: Python runs signal handlers only there")
 
 
-def flush_on_signal(
-    args: Any,
-    *,
-    signals: Iterable[int] = (signal.SIGTERM,),
-    environ: Mapping[str, str] | None = None,
-    admin_secret: str | None = None,
-    bearer: BearerProvider | None = None,
-    deadline: float = DEFAULT_DEADLINE,
-    retries: int = DEFAULT_RETRIES,
-    max_workers: int | None = None,
-    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-    backoff_factor: float = DEFAULT_BACKOFF_FACTOR,
-) -> SignalHook:
+def flush_on_signal(args: Any, *, signals: Iterable[int] = (signal.SIGTERM,), environ: Mapping[str, str] | None = None,
+                    **options: Unpack[HookOptionKwargs]) -> SignalHook:
     """On the first of ``signals``, flush every instance of ``args``, then hand over.
 
     Install it at start-up: ids, servers and bearer are read when the signal arrives. The
@@ -297,8 +346,7 @@ def flush_on_signal(
         args: trainer args (attributes) or a Mapping, read when the signal arrives.
         signals: the signals to hook.
         environ: the environment to read instead of ``os.environ``.
-        admin_secret, bearer, deadline, retries, max_workers, connect_timeout,
-            backoff_factor: as for ``abort``, validated now.
+        **options: as for ``abort`` but ``linger`` (nothing lingers past a signal), validated now.
 
     Returns:
         A ``SignalHook``; ``.uninstall()`` restores the previous handlers.
@@ -310,20 +358,19 @@ def flush_on_signal(
         >>> hook = flush_on_signal(args, deadline=20)  # doctest: +SKIP
     """
     _require_main_thread("flush_on_signal")
-    options = FlushOptions(admin_secret=admin_secret, bearer=bearer, deadline=deadline, retries=retries,
-                           max_workers=max_workers, connect_timeout=connect_timeout, backoff_factor=backoff_factor)
+    flush_options = FlushOptions(**options)
     signal_tuple = tuple(signals)
     if not signal_tuple:
         raise ConfigError("signals must name at least one signal")
-    _prepare_hook(options)
+    _prepare_hook(flush_options)
     try:
-        return SignalHook(args, signal_tuple, environ, options)
+        return SignalHook(args, signal_tuple, environ, flush_options)
     except (ValueError, OSError) as exc:  # not a catchable signal (SIGKILL) or not a signal at all
         raise ConfigError(f"signals: cannot install a handler: {exc}") from None
 
 
 class ExitHook:
-    """Registered by ``flush_at_exit``; ``uninstall()`` unregisters it.
+    """Registered by ``flush_at_exit``; ``uninstall()`` turns it off.
 
     Attributes:
         report: the ``FlushReport`` of the exit flush, else None.
@@ -335,7 +382,10 @@ class ExitHook:
         self._environ = environ
         self._options = options
         self._done = False
-        atexit.register(self._run)
+        # When the main thread ends, while threads can still start (3.12 refuses them in atexit).
+        self._at_thread_exit = register_at_thread_exit(self._run)
+        if not self._at_thread_exit:
+            atexit.register(self._run)
 
     def _run(self) -> None:
         if self._done or _State.flushed_on_signal:
@@ -344,39 +394,31 @@ class ExitHook:
         self.report = _hook_flush(self._args, self._environ, self._options)
 
     def uninstall(self) -> None:
-        """Unregister the exit flush."""
-        atexit.unregister(self._run)
+        """Turn the exit flush off."""
+        self._done = True
+        if not self._at_thread_exit:
+            atexit.unregister(self._run)
 
 
-def flush_at_exit(
-    args: Any,
-    *,
-    environ: Mapping[str, str] | None = None,
-    admin_secret: str | None = None,
-    bearer: BearerProvider | None = None,
-    deadline: float = DEFAULT_DEADLINE,
-    retries: int = DEFAULT_RETRIES,
-    max_workers: int | None = None,
-    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-    backoff_factor: float = DEFAULT_BACKOFF_FACTOR,
-) -> ExitHook:
+def flush_at_exit(args: Any, *, environ: Mapping[str, str] | None = None,
+                  **options: Unpack[HookOptionKwargs]) -> ExitHook:
     """Flush every instance of ``args`` once at interpreter exit (also after an unhandled error).
 
-    Runs as an ``atexit`` callback. The executor refuses work then, so the pairs run in
-    parallel on plain daemon threads (one by one in the calling thread where even those
-    cannot start), within ``deadline``. Requests earlier aborts left in flight were given up
-    when the main thread ended, so every pair is sent again. Skipped when a
-    ``flush_on_signal`` hook already flushed. Not run when the process dies of a signal
-    nobody handles, or ``os._exit``.
+    Runs when the main thread ends (normal return, ``sys.exit``, an unhandled exception), in
+    ``threading``'s own exit stage: before ``atexit`` callbacks and before the program's other
+    non-daemon threads are joined, where every Python (3.12 included) still starts threads, so
+    the pairs run in parallel on plain daemon threads within ``deadline`` (one by one in the
+    calling thread where no thread can start). Requests earlier aborts left in flight are given
+    up first, so every pair is sent again. Skipped when a ``flush_on_signal`` hook already
+    flushed. Not run when the process dies of a signal nobody handles, or ``os._exit``.
 
     Args:
         args: trainer args (attributes) or a Mapping, read at exit.
         environ: the environment to read instead of ``os.environ``.
-        admin_secret, bearer, deadline, retries, max_workers, connect_timeout,
-            backoff_factor: as for ``abort``, validated now.
+        **options: as for ``abort`` but ``linger``, validated now.
 
     Returns:
-        An ``ExitHook``; ``.uninstall()`` unregisters it.
+        An ``ExitHook``; ``.uninstall()`` turns it off.
 
     Raises:
         ConfigError: a bad option.
@@ -384,7 +426,6 @@ def flush_at_exit(
     Example:
         >>> flush_at_exit(args, deadline=10)  # doctest: +SKIP
     """
-    options = FlushOptions(admin_secret=admin_secret, bearer=bearer, deadline=deadline, retries=retries,
-                           max_workers=max_workers, connect_timeout=connect_timeout, backoff_factor=backoff_factor)
-    _prepare_hook(options)
-    return ExitHook(args, environ, options)
+    flush_options = FlushOptions(**options)
+    _prepare_hook(flush_options)
+    return ExitHook(args, environ, flush_options)

@@ -33,20 +33,28 @@ def _not_from_a_worker(record: logging.LogRecord) -> bool:
     return not threading.current_thread().name.startswith(WORKER_THREAD_PREFIX)
 
 
-def _urllib3_loggers() -> list[logging.Logger]:
+_urllib3_loggers: list[logging.Logger] = []  # filled by install_urllib3_filter
+
+
+def install_urllib3_filter() -> None:
+    """Drop every urllib3 record made on a flush worker thread; once, when the first pool is built.
+
+    Looking loggers up takes logging's lock, so this never runs on a signal or exit path: the
+    hooks build their pool when they are installed.
+    """
+    if _urllib3_loggers:
+        return
     names = {name for name in logging.root.manager.loggerDict.copy() if name.startswith("urllib3.")}
-    return [logging.getLogger(name) for name in sorted(names.union(_URLLIB3_LOGGER_NAMES))]
-
-
-_URLLIB3_LOGGERS: Final = _urllib3_loggers()  # urllib3 is imported by now: its module loggers exist
-for _logger in _URLLIB3_LOGGERS:
-    _logger.addFilter(_not_from_a_worker)
+    loggers = [logging.getLogger(name) for name in sorted(names.union(_URLLIB3_LOGGER_NAMES))]
+    for logger in loggers:
+        logger.addFilter(_not_from_a_worker)
+    _urllib3_loggers.extend(loggers)
 
 
 @contextlib.contextmanager
 def urllib3_silenced() -> Iterator[None]:
     """Disable urllib3's loggers meanwhile (lock-free for any thread that would log)."""
-    saved = [(logger, logger.disabled) for logger in _URLLIB3_LOGGERS]
+    saved = [(logger, logger.disabled) for logger in _urllib3_loggers]
     for logger, _ in saved:
         logger.disabled = True
     try:

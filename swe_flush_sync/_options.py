@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, TypedDict
 
 from ._auth import BearerProvider, ScopedBearer, StaticBearer
 from ._errors import ConfigError
@@ -55,6 +55,12 @@ class FlushOptions:
             background, so that the server's teardown is not cut short and a later flush of
             the same pair joins it instead of sending again (default 120; 0 cuts it at the
             deadline).
+        until_idle: flush each server's ids in rounds until a round cancels nothing: after a
+            round in which any of a server's ids answered ``cancelled`` > 0, every id of that
+            server is flushed again (slots are shared, so one id's flush lets another id's
+            queued runs start), until a round answers 0 for all, the deadline, or
+            ``MAX_ROUNDS`` (64) rounds. A pass starts only after the pair's previous answer. A
+            server that does not say ``cancelled`` gets one pass. Default False: one pass.
         admin_secret: a static bearer secret; shorthand for ``bearer=StaticBearer(secret)``.
         bearer: a bearer provider (instance id -> token), e.g. ``ScopedBearer``; at most one
             of ``admin_secret`` and ``bearer``. Neither: no ``Authorization`` header.
@@ -69,6 +75,7 @@ class FlushOptions:
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
     backoff_factor: float = DEFAULT_BACKOFF_FACTOR
     linger: float = DEFAULT_LINGER
+    until_idle: bool = False
     admin_secret: str | None = None
     bearer: BearerProvider | None = None
 
@@ -85,6 +92,8 @@ class FlushOptions:
                               f"backoff_factor must be a number, not {type(factor).__name__}")
         object.__setattr__(self, "backoff_factor", float(factor))
         object.__setattr__(self, "linger", check_seconds(self.linger, "linger", allow_zero=True))
+        if not isinstance(self.until_idle, bool):
+            raise ConfigError(f"until_idle must be a bool, not {type(self.until_idle).__name__}")
         if self.admin_secret == "":
             object.__setattr__(self, "admin_secret", None)
         if self.admin_secret is not None:
@@ -110,4 +119,28 @@ class FlushOptions:
             repr(self.bearer) if isinstance(self.bearer, (StaticBearer, ScopedBearer)) else type(self.bearer).__name__)
         return (f"FlushOptions(deadline={self.deadline:g}, retries={self.retries}, max_workers={self.max_workers}, "
                 f"connect_timeout={self.connect_timeout:g}, backoff_factor={self.backoff_factor:g}, "
-                f"linger={self.linger:g}, admin_secret={secret}, bearer={bearer})")
+                f"linger={self.linger:g}, until_idle={self.until_idle}, admin_secret={secret}, bearer={bearer})")
+
+
+class HookOptionKwargs(TypedDict, total=False):
+    """The keyword options of the signal and exit hooks: those of ``FlushOptions`` but ``linger``.
+
+    Each entry point takes them as ``**options: Unpack[...]``, so a misspelt one is a
+    ``TypeError`` at the call and a mypy error; ``FlushOptions`` validates the values.
+    Keep the keys equal to ``FlushOptions``' fields (a test pins them).
+    """
+
+    deadline: float
+    retries: int
+    max_workers: int | None
+    connect_timeout: float
+    backoff_factor: float
+    until_idle: bool
+    admin_secret: str | None
+    bearer: BearerProvider | None
+
+
+class OptionKwargs(HookOptionKwargs, total=False):
+    """The keyword options of ``Flusher``, ``flush``, ``abort`` and ``abort_async``."""
+
+    linger: float

@@ -26,6 +26,11 @@ class FlushResult:
         error: why it failed, None when ok.
         joined: True when this call sent nothing for the pair but waited on a request an
             earlier call had left in flight (single flight); the answer is that request's.
+        passes: requests for the pair that the server answered 2xx (with ``until_idle``, one
+            per round; ``cancelled``, ``attempts`` and ``elapsed`` are summed over them).
+        idle: with ``until_idle``: True when the pair's last round cancelled nothing on its
+            server, False when the deadline or the round cap stopped the rounds first; None
+            without ``until_idle``, or when the server's answer gives no ``cancelled`` count.
     """
 
     server_url: str
@@ -37,6 +42,8 @@ class FlushResult:
     elapsed: float = 0.0
     error: str | None = None
     joined: bool = False
+    passes: int = 0
+    idle: bool | None = None
 
     def __str__(self) -> str:
         outcome = f"cancelled={self.cancelled}" if self.ok else f"failed: {self.error}"
@@ -104,6 +111,10 @@ class FlushReport:
             f"flushed {len(self.results) - len(failed)}/{len(self.results)} targets "
             f"in {self.elapsed:.2f}s, {self.cancelled} trials cancelled"
         )
+        counted = [result.idle for result in self.results if result.idle is not None]
+        if counted:  # until_idle
+            passes = sum(result.passes for result in self.results)
+            line += f" in {passes} passes, {sum(counted)}/{len(counted)} idle"
         if failed:
             listed = "; ".join(str(result) for result in failed[:_SHOWN_FAILURES])
             more = f"; and {len(failed) - _SHOWN_FAILURES} more" if len(failed) > _SHOWN_FAILURES else ""

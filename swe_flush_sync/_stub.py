@@ -119,6 +119,11 @@ class AgentServerStub:
     "cancelled": n}`` with the in-flight trials it held for that id. Per-id faults can be
     scripted with ``fault``; every request is recorded.
 
+    Like the bridge, it runs at most ``max_concurrent`` trials at once: a run added beyond that
+    waits for a slot, and only a trial that holds one is registered for ``/flush`` (so one flush
+    does not cancel the runs still waiting; they take the freed slots when its teardown ends).
+    ``POST /trials`` with ``{"session_server_instance_id": id, "count": n}`` adds runs over HTTP.
+
     Args:
         secret: the static bearer secret required; None accepts any request.
         teardown: seconds each successful flush takes (its trials stay registered meanwhile,
@@ -128,6 +133,7 @@ class AgentServerStub:
         scoped_secret: a master secret: each flush must carry the per-instance bearer
             (hex HMAC-SHA256 of ``miles-harbor-flush-session-v1\\x00session:<id>``), as newer
             deployments require; takes precedence over ``secret``.
+        max_concurrent: trials running at once (the bridge's ``AGENT_MAX_CONCURRENT``); None: no limit.
 
     Example:
         >>> with AgentServerStub(secret="s3cret", teardown=0.1) as stub:  # doctest: +SKIP
@@ -137,7 +143,7 @@ class AgentServerStub:
     """
 
     def __init__(self, *, secret: str | None = None, teardown: float = 0.0, host: str = "127.0.0.1",
-                 scoped_secret: str | None = None, port: int = 0) -> None:
+                 scoped_secret: str | None = None, port: int = 0, max_concurrent: int | None = None) -> None:
         self.secret = secret
         self._port = port
         self.scoped_secret = scoped_secret
@@ -145,7 +151,9 @@ class AgentServerStub:
         self._host = host
         self._lock = threading.Lock()
         self._stopping = threading.Event()
-        self._trials: dict[str, int] = {}
+        self.max_concurrent = max_concurrent
+        self._trials: dict[str, int] = {}  # id -> trials holding a slot (registered for /flush)
+        self._waiting: deque[str] = deque()  # one id per run waiting for a slot, oldest first
         self._faults: dict[str, _Fault] = {}
         self._requests: list[RecordedRequest] = []
         self._sockets: dict[int, tuple[int, socket.socket]] = {}  # id -> (serial, socket), open ones
@@ -194,14 +202,26 @@ class AgentServerStub:
 
     # -- scripting ---------------------------------------------------------------------------
     def add_trials(self, instance_id: str, count: int = 1) -> None:
-        """Hold ``count`` more in-flight trials for ``instance_id``."""
+        """Start ``count`` more runs for ``instance_id``: each a trial while a slot is free, else waiting."""
         with self._lock:
-            self._trials[instance_id] = self._trials.get(instance_id, 0) + count
+            self._waiting.extend([instance_id] * count)
+            self._start_waiting()
 
     def trials(self, instance_id: str) -> int:
-        """In-flight trials still held for ``instance_id``."""
+        """Trials of ``instance_id`` running (holding a slot)."""
         with self._lock:
             return self._trials.get(instance_id, 0)
+
+    def waiting(self, instance_id: str | None = None) -> int:
+        """Runs waiting for a slot (of ``instance_id``, or of every id)."""
+        with self._lock:
+            return sum(1 for queued in self._waiting if instance_id in (None, queued))
+
+    def _start_waiting(self) -> None:
+        """Give free slots to the oldest waiting runs (lock held)."""
+        while self._waiting and (self.max_concurrent is None or sum(self._trials.values()) < self.max_concurrent):
+            instance_id = self._waiting.popleft()
+            self._trials[instance_id] = self._trials.get(instance_id, 0) + 1
 
     def fault(self, instance_id: str, *, latency: float = 0.0, statuses: Iterable[int] = (),
               retry_after: str | int | None = None, hang: bool = False, drop: bool = False,
@@ -275,6 +295,9 @@ class AgentServerStub:
     def _handle(self, handler: _Handler) -> None:
         length = int(handler.headers.get("Content-Length") or 0)
         body = handler.rfile.read(length) if length else b""
+        if handler.path == "/trials":
+            self._add_trials_over_http(handler, body)
+            return
         if handler.path != "/flush":
             self._record(handler, None, body, 404)
             handler.send_json(404, {"detail": "Not Found"})
@@ -322,12 +345,27 @@ class AgentServerStub:
             self._stopping.wait(self.teardown)
         with self._lock:
             self._tearing_down[instance_id] -= 1
-            self._trials.pop(instance_id, None)
+            self._trials[instance_id] = self._trials.get(instance_id, 0) - cancelled  # their slots are free
+            self._start_waiting()
         self._record(handler, instance_id, body, 200)
         if fault.body is not None:
             handler.send_raw(200, fault.body)
         else:
             handler.send_json(200, {"session_server_instance_id": instance_id, "cancelled": cancelled})
+
+    def _add_trials_over_http(self, handler: _Handler, body: bytes) -> None:
+        instance_id = self._parse_id(body)
+        try:
+            count = json.loads(body).get("count", 1)
+        except (ValueError, AttributeError):
+            count = None
+        if instance_id is None or not isinstance(count, int) or not 0 <= count <= 100_000:
+            self._record(handler, None, body, 422)
+            handler.send_json(422, {"detail": "session_server_instance_id (str) and count (int) required"})
+            return
+        self.add_trials(instance_id, count)
+        self._record(handler, None, body, 200)
+        handler.send_json(200, {"started": count})
 
     def _authorized(self, header: str | None, instance_id: str) -> bool:
         if self.scoped_secret is not None:

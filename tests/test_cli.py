@@ -134,7 +134,7 @@ def test_module_entry_point_and_demo_subprocess() -> None:
                           capture_output=True, text=True, timeout=60, env=subprocess_env())
     assert proc.returncode == 0, proc.stderr
     assert "flushed 4/4 targets" in proc.stdout and "one by one it would have taken" in proc.stdout
-    assert "Trials left running: 0" in proc.stdout
+    assert "Trials left running or waiting: 0" in proc.stdout
     bad = subprocess.run([PYTHON, "-m", "swe_flush_sync", "--url", "nope", "--id", "x"],
                          capture_output=True, text=True, timeout=60, env=subprocess_env())
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr

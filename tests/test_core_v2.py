@@ -62,30 +62,27 @@ def test_per_step_aborts_shorter_than_the_teardown_send_one_flush_per_id(stub: A
 
 # -- connections ---------------------------------------------------------------------------------
 
-def test_warm_flusher_opens_no_new_connection_even_at_zero_teardown(stub: AgentServerStub) -> None:
-    ids = [f"i{n}" for n in range(8)]  # L=0: requests end before the last one starts, unless gathered
+def test_warm_flusher_opens_no_new_connection_at_a_real_teardown(stub: AgentServerStub) -> None:
+    stub.teardown = 0.05
+    ids = [f"i{n}" for n in range(8)]
     with Flusher(stub.url, admin_secret=SECRET) as flusher:
-        assert flusher.flush(ids).ok
-        assert stub.connections == 8  # a first call opens one per pair, all at once
-        for _ in range(21):
+        for _ in range(2):
             assert flusher.flush(ids).ok
-        assert stub.connections == 8
-        wider = [f"w{n}" for n in range(24)]
-        assert flusher.flush(wider).ok
-        assert stub.connections == 24  # a wider call grows the pool in one step...
-        for _ in range(5):
-            assert flusher.flush(wider).ok and flusher.flush(ids).ok
-    assert stub.connections == 24  # ...and calls up to that width reuse it
+        warm = stub.connections
+        assert warm <= len(ids)
+        for _ in range(20):
+            assert flusher.flush(ids).ok
+    assert stub.connections == warm, (warm, stub.connections)
 
 
-def test_gathering_never_waits_for_workers_that_are_busy(stub: AgentServerStub) -> None:
+def test_a_lingering_request_never_delays_fresh_pairs(stub: AgentServerStub) -> None:
     stub.fault("hung", hang=True)
     with Flusher(stub.url, admin_secret=SECRET, max_workers=4, linger=30) as flusher:
         assert not flusher.flush(["hung"], deadline=0.2).ok  # one of the 4 workers stays on it
         started = time.monotonic()
         report = flusher.flush([f"i{n}" for n in range(8)], deadline=5)
         took = time.monotonic() - started
-    assert report.ok and took < 0.5  # 3 free workers gather; never the 1 s bound for a 4th
+    assert report.ok and took < 0.5
 
 
 def test_every_server_gets_its_share_under_a_deadline(stub_factory) -> None:  # type: ignore[no-untyped-def]

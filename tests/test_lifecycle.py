@@ -303,15 +303,13 @@ def test_hook_options_are_validated_at_install() -> None:
 
 
 def test_flush_at_exit_when_no_thread_can_start(stub: AgentServerStub) -> None:
-    """As on Python 3.12, where threads cannot start at shutdown: one by one in the calling thread."""
+    """Where no thread can start at all (not even the hook's standby threads): one pair after another."""
     child = Child(stub, """
-        import atexit, threading
+        import threading
+        def start(self):
+            raise RuntimeError("can't create new thread at interpreter shutdown")
+        threading.Thread.start = start
         flush_at_exit(args, deadline=5)
-        def refuse_threads():
-            def start(self):
-                raise RuntimeError("can't create new thread at interpreter shutdown")
-            threading.Thread.start = start
-        atexit.register(refuse_threads)  # runs first: atexit is last-in, first-out
         fill_ids(); ready()
     """)
     code, _, _, err = child.finish()

@@ -13,15 +13,14 @@ from responses.registries import OrderedRegistry
 from urllib3.exceptions import MaxRetryError, NameResolutionError, NewConnectionError, ProtocolError, ReadTimeoutError
 
 from swe_flush_sync import ConfigError, Flusher, FlushOptions, ScopedBearer, StaticBearer, __version__, flush
-from swe_flush_sync._transport import _MAX_PREPARED, Transport, build_retry, describe_failure
+from swe_flush_sync._transport import build_retry, describe_failure
 
 from .conftest import SECRET
 
 URL = "http://agent.test:8000"
 FLUSH = URL + "/flush"
-# The transport sends through its own adapter's short ``send``; responses stands in for it.
-ADAPTER_SEND = "swe_flush_sync._transport._FlushAdapter.send"
-mocked = responses.RequestsMock(target=ADAPTER_SEND, assert_all_requests_are_fired=False)
+# The transport sends through requests' own HTTPAdapter.send: responses' default target.
+mocked = responses.RequestsMock(assert_all_requests_are_fired=False)
 
 
 def ok_body(instance_id: str, cancelled: object = 2) -> dict[str, object]:
@@ -38,8 +37,10 @@ def test_wire_format_with_bearer() -> None:
     assert request.headers["Content-Type"] == "application/json"
     assert request.headers["User-Agent"] == f"swe-flush-sync/{__version__}"
     # nothing a flush does not need: no gzip (the body is never decoded), no Accept, no Connection
-    assert {name.lower() for name in request.headers} == {"authorization", "content-type", "user-agent"}
+    assert {name.lower() for name in request.headers} == {"authorization", "content-type", "content-length",
+                                                           "user-agent"}
     assert json.loads(request.body) == {"session_server_instance_id": "i1"}
+    assert request.headers["Content-Length"] == str(len(request.body))
 
 
 @mocked.activate
@@ -161,7 +162,6 @@ def test_describe_failure() -> None:
 @pytest.mark.parametrize("bearer", [StaticBearer(SECRET), ScopedBearer(SECRET * 2)], ids=["static", "scoped"])
 @mocked.activate
 def test_reused_flusher_sends_each_pair_its_own_body_and_bearer(bearer: StaticBearer | ScopedBearer) -> None:
-    # requests are kept across calls: a kept request must never go out for another pair
     other = "http://agent-2.test:8000"
     mocked.post(FLUSH, json=ok_body("x"))
     mocked.post(other + "/flush", json=ok_body("x"))
@@ -171,20 +171,6 @@ def test_reused_flusher_sends_each_pair_its_own_body_and_bearer(bearer: StaticBe
     sent = Counter((call.request.url, json.loads(call.request.body)["session_server_instance_id"],
                     call.request.headers["Authorization"]) for call in mocked.calls)
     assert sent == {(url + "/flush", i, "Bearer " + bearer(i)): 3 for url in (URL, other) for i in "abc"}
-
-
-def test_kept_requests_are_bounded() -> None:
-    transport = Transport((URL,), pool_maxsize=1, retries=0, backoff_factor=0, connect_timeout=1)
-    try:
-        for k in range(_MAX_PREPARED + 10):
-            transport.prepare(URL, f"id-{k}", None)
-        assert len(transport._prepared) <= _MAX_PREPARED
-        prepared = transport.prepare(URL, "id-1", "Bearer t")
-        assert json.loads(prepared.body or b"") == {"session_server_instance_id": "id-1"}
-        assert prepared.headers["Authorization"] == "Bearer t"
-        assert "Authorization" not in transport.prepare(URL, "id-1", None).headers
-    finally:
-        transport.close()
 
 
 def test_bearer_reprs_hide_secrets() -> None:
@@ -242,6 +228,6 @@ def test_flush_on_closed_flusher_raises() -> None:
 
 
 def test_empty_ids_send_nothing() -> None:
-    with responses.RequestsMock(target=ADAPTER_SEND) as mock:  # any request would fail: nothing is registered
+    with responses.RequestsMock() as mock:  # any request would fail: nothing is registered
         report = flush(URL, [])
     assert report.ok and report.results == () and len(mock.calls) == 0
