@@ -4,7 +4,10 @@ As the bridge does: a pydantic body (422 on a bad one), the whole ``Authorizatio
 compared with ``secrets.compare_digest`` against the admin secret, else the auth token (with
 neither, /flush is open), or, in scoped mode, against the per-instance bearer; in-flight
 trials held as asyncio tasks that a flush cancels and awaits; a trial stays registered until
-its teardown ends, so a second flush meanwhile cancels it again, mid-teardown (counted).
+its teardown ends, so a second flush meanwhile cancels it again, mid-teardown (counted). At most
+``max_concurrent`` trials run at once behind an ``asyncio.Semaphore`` (the bridge's
+``AGENT_MAX_CONCURRENT``), and a run registers for /flush only once it holds a slot, as the
+bridge's ``/run`` does: runs still waiting are not cancelled by a flush, and start when a slot frees.
 """
 
 from __future__ import annotations
@@ -33,6 +36,10 @@ class TrialsRequest(BaseModel):
 class Stats:
     flushes: list[str] = field(default_factory=list)
     interrupted_teardowns: int = 0
+    runs: set[asyncio.Task[None]] = field(default_factory=set)  # started and not ended: running or waiting
+
+    def running_or_waiting(self) -> int:
+        return sum(1 for run in self.runs if not run.done())
 
 
 def scoped_bearer(master: str, instance_id: str) -> str:
@@ -41,10 +48,11 @@ def scoped_bearer(master: str, instance_id: str) -> str:
 
 
 def create_app(*, admin_secret: str = "", auth_token: str = "", run_secret: str = "",
-               teardown: float = 0.2) -> tuple[FastAPI, Stats]:
+               teardown: float = 0.2, max_concurrent: int = 10_000) -> tuple[FastAPI, Stats]:
     app = FastAPI(title="Harbor bridge /flush contract")
     active: dict[str, set[asyncio.Task[None]]] = {}
     stats = Stats()
+    semaphore = asyncio.Semaphore(max_concurrent)
 
     def require_bearer(http_request: Request, instance_id: str) -> None:
         if run_secret:
@@ -65,13 +73,21 @@ def create_app(*, admin_secret: str = "", auth_token: str = "", run_secret: str 
                 stats.interrupted_teardowns += 1
             raise
 
+    async def run(instance_id: str) -> None:  # the bridge's /run, whose client has gone
+        async with semaphore:
+            task = asyncio.current_task()
+            assert task is not None
+            active.setdefault(instance_id, set()).add(task)
+            try:
+                await trial()
+            finally:  # registered until its teardown ends
+                active[instance_id].discard(task)
+
     @app.post("/trials")
     async def start_trials(payload: TrialsRequest) -> dict[str, Any]:
-        tasks = active.setdefault(payload.session_server_instance_id, set())
         for _ in range(payload.count):
-            task = asyncio.create_task(trial())
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)  # registered until its teardown ends
+            stats.runs.add(asyncio.create_task(run(payload.session_server_instance_id)))
+        await asyncio.sleep(0)  # let the runs that get a slot register
         return {"started": payload.count}
 
     @app.post("/flush")

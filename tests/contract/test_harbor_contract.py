@@ -173,3 +173,27 @@ def test_hooks_in_a_real_process(harbor_factory: HarborFactory, hook: str) -> No
     _, err = proc.communicate(timeout=15)
     assert proc.returncode == (-signal.SIGTERM if hook == "signal" else 0), err
     assert Counter(harbor.stats.flushes) == dict.fromkeys(IDS, 1)
+
+
+def test_until_idle_stops_the_runs_queued_behind_the_bridges_slots(harbor_factory: HarborFactory) -> None:
+    harbor = harbor_factory(admin_secret=ADMIN, teardown=0.05, max_concurrent=8)
+    start_trials(harbor, "inst-a", 20)  # 8 running, 12 waiting for a slot
+    one_pass = flush(harbor.url, ["inst-a"], admin_secret=ADMIN)
+    assert one_pass.cancelled == 8
+    time.sleep(0.2)
+    assert harbor.stats.running_or_waiting() == 12  # the waiting runs took the slots and go on
+    [result] = flush(harbor.url, ["inst-a"], admin_secret=ADMIN, until_idle=True).results
+    assert result.ok and result.idle is True and result.cancelled == 12 and result.passes == 3  # 8, 4, 0
+    time.sleep(0.2)
+    assert harbor.stats.running_or_waiting() == 0 and harbor.stats.interrupted_teardowns == 0
+
+
+def test_until_idle_with_ids_sharing_the_bridges_slots(harbor_factory: HarborFactory) -> None:
+    harbor = harbor_factory(admin_secret=ADMIN, teardown=0.05, max_concurrent=8)
+    start_trials(harbor, "inst-a", 8)
+    start_trials(harbor, "inst-b", 8)  # all waiting behind inst-a's runs
+    report = abort(args_for(["inst-a", "inst-b"]), environ={"AGENT_SERVER_URL": harbor.url,
+                                                            "HARBOR_ADMIN_SECRET": ADMIN}, until_idle=True)
+    assert report.ok and report.cancelled == 16 and all(r.idle for r in report.results)
+    time.sleep(0.2)
+    assert harbor.stats.running_or_waiting() == 0 and harbor.stats.interrupted_teardowns == 0
