@@ -86,6 +86,7 @@ class Peers:
     def __init__(self, url: str, max_n: int, loop: LoopThread, deadline: float = 30.0) -> None:
         self.flush_url = url + "/flush"
         self.loop = loop
+        self.cpu = 0.0
         limits = httpx.Limits(max_connections=max_n, max_keepalive_connections=max_n)
         self.gather_client = loop.run(self._client(limits))
         self.one_by_one_client = loop.run(self._client(httpx.Limits()))
@@ -202,7 +203,10 @@ class Peers:
         return self.flusher.flush(ids, deadline=deadline).ok
 
     def run(self, peer: str, ids: list[str], cap: float, deadline: float | None = None) -> tuple[float, bool | None]:
-        """Seconds the peer took and whether every id was flushed; (cap, None) when capped."""
+        """Seconds the peer took and whether every id was flushed; (cap, None) when capped.
+
+        ``self.cpu`` is then the CPU seconds this process spent meanwhile (the stub runs in another).
+        """
         call: Callable[[list[str], float], bool] = {
             "one-by-one async": self.one_by_one, "sequential requests": self.sequential,
             "asyncio.gather": self.gather, "gather+Semaphore(16)": self.gather_semaphore,
@@ -210,11 +214,13 @@ class Peers:
             "urllib3 floor": self.urllib3_floor,
             "swe_flush_sync": lambda i, c: self.swe_flush_sync(i, c, deadline),
         }[peer]
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         try:
             ok = call(ids, cap)
         except TimeoutError:
             return cap, None
+        finally:
+            self.cpu = time.process_time() - cpu
         return time.perf_counter() - started, ok
 
     def close(self) -> None:
@@ -246,8 +252,9 @@ def _capped(function: Callable[[], bool], cap: float) -> bool:
 
 
 def time_interleaved(peers: Peers, names: list[str], ids: list[str], reps: int, *, where: str,
-                     cap: float = 120) -> dict[str, list[float]]:
-    """Seconds of each of ``names`` flushing ``ids``, ``reps`` times, in rotating order, after a warm-up."""
+                     cap: float = 120, cpu: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
+    """Seconds of each of ``names`` flushing ``ids``, ``reps`` times, in rotating order, after a warm-up;
+    the CPU seconds of each run go to ``cpu`` when given."""
     for peer in names:  # warm-up, untimed (the sequential peers gain nothing from it)
         if peer not in SEQUENTIAL:
             peers.run(peer, ids, cap=cap)
@@ -258,6 +265,8 @@ def time_interleaved(peers: Peers, names: list[str], ids: list[str], reps: int, 
             if not ok:
                 raise RuntimeError(f"{peer} failed to flush in {where}")
             times[peer].append(seconds)
+            if cpu is not None:
+                cpu.setdefault(peer, []).append(peers.cpu)
     return times
 
 
@@ -272,10 +281,12 @@ def grid(stub: StubProcess, loop: LoopThread, ns: list[int], ls: list[float], re
                 stub.teardown(latency)
                 ids = [f"n{n}-l{latency}-{k}" for k in range(n)]
                 skipped = [p for p in SEQUENTIAL if n * (latency + 0.002) > sequential_limit]
+                cpu: dict[str, list[float]] = {}
                 times = time_interleaved(peers, [p for p in PEERS if p not in skipped], ids, reps,
-                                         where=f"cell N={n} L={latency}")
+                                         where=f"cell N={n} L={latency}", cpu=cpu)
                 cells.append({"n": n, "latency": latency, "skipped": skipped,
-                              "median": {p: statistics.median(t) for p, t in times.items() if t}})
+                              "median": {p: statistics.median(t) for p, t in times.items() if t},
+                              "cpu_per_pair": {p: statistics.median(t) / n for p, t in cpu.items() if t}})
                 print(f"  N={n:<4} L={latency:<5} " + "  ".join(
                     f"{p}={statistics.median(t) * 1000:.1f}ms" for p, t in times.items() if t), flush=True)
     finally:
@@ -315,9 +326,12 @@ def fault_cells(loop: LoopThread, reps: int, cap: float) -> list[dict[str, Any]]
     return rows
 
 
+REUSE_LATENCY = 0.05
+
+
 def connection_reuse(stub: StubProcess, calls: int) -> dict[str, Any]:
-    """New TCP connections and per-call time of repeated 8-id flushes at L=0 with one Flusher."""
-    stub.teardown(0.0)
+    """New TCP connections and per-call time of repeated 8-id flushes at a 0.05 s teardown with one Flusher."""
+    stub.teardown(REUSE_LATENCY)
     ids = [f"reuse-{k}" for k in range(8)]
     with Flusher(stub.url, admin_secret=SECRET) as flusher:
         before = stub.stats()["connections"]
@@ -333,6 +347,29 @@ def connection_reuse(stub: StubProcess, calls: int) -> dict[str, Any]:
     per_call = statistics.median(durations)
     return {"warm_up_connections": after_first - before, "new_after_first": after_all - after_first,
             "calls": calls, "per_call": per_call, "per_request": per_call / len(ids)}
+
+
+def queued_runs(ids: int = 8, runs: int = 20, slots: int = 8, latency: float = 0.05) -> list[dict[str, Any]]:
+    """``ids`` ids with ``runs`` runs each on ``slots`` slots: one pass, then ``until_idle``."""
+    rows = []
+    for until_idle in (False, True):
+        with StubProcess(SECRET) as stub:
+            stub.teardown(latency)
+            stub.slots(slots)
+            names = [f"queued-{k}" for k in range(ids)]
+            for name in names:
+                stub.add_trials(name, runs)
+            with Flusher(stub.url, admin_secret=SECRET, until_idle=until_idle) as flusher:
+                started = time.perf_counter()
+                report = flusher.flush(names, deadline=30)
+                wall = time.perf_counter() - started
+            stats = stub.stats()
+        rows.append({"until_idle": until_idle, "rounds": max(r.passes for r in report.results), "wall": wall,
+                     "cancelled": report.cancelled, "left": stats["running"] + stats["waiting"],
+                     "idle": sum(bool(r.idle) for r in report.results), "ids": ids, "runs": runs, "slots": slots,
+                     "latency": latency})
+        print(f"  queued runs, until_idle={until_idle}: {rows[-1]}", flush=True)
+    return rows
 
 
 PROBE = r"""
@@ -392,7 +429,7 @@ def ratio(a: float | None, b: float | None) -> str:
 
 def report_markdown(args: argparse.Namespace, cells: list[dict[str, Any]], faults: list[dict[str, Any]],
                     reuse: dict[str, Any], probe: dict[str, Any], imports: dict[str, float],
-                    took: float) -> str:
+                    queued: list[dict[str, Any]], took: float) -> str:
     lines = [f"# swe_flush_sync benchmark{' (quick)' if args.quick else ''}", "",
              f"Machine: {os.cpu_count()} cores, Python {sys.version.split()[0]}; stub agent server in its own process "
              f"on 127.0.0.1; median of {args.reps} interleaved warm repetitions; times in ms; "
@@ -419,6 +456,23 @@ def report_markdown(args: argparse.Namespace, cells: list[dict[str, Any]], fault
     for n, latency, peers in skipped:
         lines.append(f"\nSkipped (one measurement over {args.sequential_limit:g}s): N={n} L={latency:g}: "
                      f"{', '.join(peers)}")
+    cpu_peers = ("http.client floor", "urllib3 floor", "swe_flush_sync", "asyncio.gather", "requests-futures")
+    lines += ["", "## CPU per pair (this process's CPU time over the call, divided by N; µs)", "",
+              "| N | L (s) | " + " | ".join(cpu_peers) + " | sfs / urllib3 floor |",
+              "|---|---|" + "---|" * (len(cpu_peers) + 1)]
+    for cell in cells:
+        cpu = cell["cpu_per_pair"]
+        lines.append(f"| {cell['n']} | {cell['latency']:g} | " + " | ".join(
+            f"{cpu[p] * 1e6:.0f}" for p in cpu_peers) + f" | {ratio(cpu['swe_flush_sync'], cpu['urllib3 floor'])} |")
+    first = queued[0]
+    lines += ["", f"## Runs queued behind slots ({first['ids']} ids x {first['runs']} runs on {first['slots']} slots, "
+              f"{first['latency']:g} s teardown per flush)", "",
+              "| swe_flush_sync | rounds | wall (ms) | trials cancelled | left running or waiting | ids idle |",
+              "|---|---|---|---|---|---|"]
+    for row in queued:
+        lines.append(f"| {'until_idle=True' if row['until_idle'] else 'one pass (default)'} | {row['rounds']} | "
+                     f"{row['wall'] * 1000:.0f} | {row['cancelled']} | {row['left']} | "
+                     f"{row['idle'] if row['until_idle'] else '-'} |")
     lines += ["", "## Faults (8 ids; seconds to return, capped; swe_flush_sync deadline 2 s)", "",
               "| fault | " + " | ".join(PEERS) + " |", "|---|" + "---|" * len(PEERS)]
     for row in faults:
@@ -431,7 +485,7 @@ def report_markdown(args: argparse.Namespace, cells: list[dict[str, Any]], fault
         label = "1 of 8 hangs" if row["fault"] == "hang" else "1 of 8: 503, 503, 200"
         lines.append(f"| {label} | " + " | ".join(cells_text) + " |")
     lines += ["", "## Resources", "",
-              f"- Reused Flusher, 8 ids at L=0, {reuse['calls']} calls after two warm-up calls: "
+              f"- Reused Flusher, 8 ids at L={REUSE_LATENCY:g}, {reuse['calls']} calls after two warm-up calls: "
               f"{reuse['warm_up_connections']} TCP connections opened by the warm-up, "
               f"{reuse['new_after_first']} new after it; {reuse['per_call'] * 1000:.2f} ms per call "
               f"({reuse['per_request'] * 1000:.3f} ms per request).",
@@ -462,7 +516,8 @@ def targets(cells: list[dict[str, Any]], faults: list[dict[str, Any]], reuse: di
 
     verdict("N=64 L=0.2 swe_flush_sync / http.client floor", over_floor(64, 0.2), 1.10)
     verdict("N=256 L=0.2 swe_flush_sync / http.client floor", over_floor(256, 0.2), 1.15)
-    verdict("N=64 L=0 swe_flush_sync / http.client floor", over_floor(64, 0.0), 1.25)
+    cell = found.get((64, 0.0))
+    verdict("N=64 L=0 swe_flush_sync / urllib3 floor", cell and cell["swe_flush_sync"] / cell["urllib3 floor"], 1.25)
     cell = found.get((64, 0.0))
     verdict("N=64 L=0 swe_flush_sync / asyncio.gather", cell and cell["swe_flush_sync"] / cell["asyncio.gather"], 0.5)
     cell = found.get((64, 0.2))
@@ -502,10 +557,12 @@ def main(argv: list[str] | None = None) -> int:
             probe = memory_and_threads(stub)
         print("faults:", flush=True)
         faults = fault_cells(loop, fault_reps, cap)
+        print("queued runs:", flush=True)
+        queued = queued_runs()
     finally:
         loop.close()
     imports = import_time(args.import_reps)
-    text = report_markdown(args, cells, faults, reuse, probe, imports, time.perf_counter() - started)
+    text = report_markdown(args, cells, faults, reuse, probe, imports, queued, time.perf_counter() - started)
     print("\n" + text)
     args.out.write_text(text)
     return 0

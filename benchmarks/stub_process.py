@@ -25,9 +25,14 @@ def serve() -> None:
                 stub.teardown = command["seconds"]
             elif op == "fault":
                 stub.fault(command.pop("instance_id"), **command)
+            elif op == "slots":
+                stub.max_concurrent = command["max_concurrent"]
+            elif op == "add_trials":
+                stub.add_trials(command["instance_id"], command["count"])
             elif op == "stats":
-                reply = {"connections": stub.connections, "requests": len(stub.requests),
-                         "flushed": stub.flushed_ids()}
+                seen = {r.instance_id for r in stub.requests if r.instance_id}
+                reply = {"connections": stub.connections, "requests": len(stub.requests), "flushed": stub.flushed_ids(),
+                         "running": sum(stub.trials(i) for i in seen), "waiting": stub.waiting()}
             elif op == "clear":
                 stub.clear_requests()
             print(json.dumps({"reply": reply}), flush=True)
@@ -53,6 +58,12 @@ class StubProcess:
 
     def fault(self, instance_id: str, **kwargs: Any) -> None:
         self._call(op="fault", instance_id=instance_id, **kwargs)
+
+    def slots(self, max_concurrent: int | None) -> None:
+        self._call(op="slots", max_concurrent=max_concurrent)
+
+    def add_trials(self, instance_id: str, count: int) -> None:
+        self._call(op="add_trials", instance_id=instance_id, count=count)
 
     def stats(self) -> dict[str, Any]:
         return self._call(op="stats")  # type: ignore[no-any-return]

@@ -21,13 +21,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Final
 
 from ._errors import ConfigError, FlushError
 from ._flusher import Call, Flusher, abandon_all_in_flight
-from ._logs import WORKER_THREAD_PREFIX, log_report, run_bounded, urllib3_silenced
+from ._logs import WORKER_THREAD_PREFIX, log_report, urllib3_silenced
 from ._options import DEFAULT_DEADLINE, FlushOptions
 from ._report import FlushReport
 from ._resolve import URL_ENV_VARS, resolve_bearer, resolve_instance_ids, resolve_server_urls
@@ -115,7 +115,7 @@ class _Standby:
     """
 
     def __init__(self) -> None:
-        self._tasks: queue.SimpleQueue[tuple[Future[FlushResult], Call]] = queue.SimpleQueue()
+        self._tasks: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]]] = queue.SimpleQueue()
         self._threads = 0
 
     def keep(self, count: int) -> None:
@@ -147,6 +147,17 @@ class _Standby:
             elif task[0].set_running_or_notify_cancel():
                 task[0].set_result(task[1]())
         return futures
+
+    def run_bounded(self, action: Callable[[], None], timeout: float) -> None:
+        """Run ``action`` on a standby thread and wait at most ``timeout`` seconds (skipped with none).
+
+        For the hooks' own logging: a handler lock held by the interrupted code, or for ever by
+        another thread (a stalled stderr pipe), must not keep the process from dying.
+        """
+        if self._threads:
+            future: Future[None] = Future()
+            self._tasks.put((future, action))
+            wait([future], timeout)
 
     def forget_after_fork(self) -> None:
         """In a forked child the parent's threads are gone (more start on demand)."""
@@ -247,7 +258,7 @@ def _hook_flush(args: Any, environ: Mapping[str, str] | None, options: FlushOpti
     with urllib3_silenced():
         abandon_all_in_flight("given up by the signal or exit hook")
         report = _abort_report(args, environ, options, on_daemon_threads=True)
-    run_bounded(lambda: _log_and_flush_stdio(report), _HOOK_LOG_TIMEOUT)
+    _standby.run_bounded(lambda: _log_and_flush_stdio(report), _HOOK_LOG_TIMEOUT)
     return report
 
 
@@ -358,7 +369,7 @@ def flush_on_signal(args: Any, *, signals: Iterable[int] = (signal.SIGTERM,), en
         >>> hook = flush_on_signal(args, deadline=20)  # doctest: +SKIP
     """
     _require_main_thread("flush_on_signal")
-    flush_options = FlushOptions(**options)
+    flush_options = FlushOptions(**options, linger=0.0)  # nothing lingers past a signal
     signal_tuple = tuple(signals)
     if not signal_tuple:
         raise ConfigError("signals must name at least one signal")
@@ -426,6 +437,6 @@ def flush_at_exit(args: Any, *, environ: Mapping[str, str] | None = None,
     Example:
         >>> flush_at_exit(args, deadline=10)  # doctest: +SKIP
     """
-    flush_options = FlushOptions(**options)
+    flush_options = FlushOptions(**options, linger=0.0)  # nothing lingers past the exit
     _prepare_hook(flush_options)
     return ExitHook(args, environ, flush_options)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Final
 
 from ._report import FlushReport
@@ -95,17 +95,3 @@ def _log_failures(report: FlushReport) -> None:
         more = ", ..." if len(ids) > _IDS_SHOWN else ""
         log.warning("flush failed for %d of %d instances at %s: %s (%s%s)", len(ids), per_server[server],
                     shown(server), shown(cause), listed, more)
-
-
-def run_bounded(action: Callable[[], None], timeout: float) -> None:
-    """Run ``action`` on a daemon thread and wait at most ``timeout`` seconds for it.
-
-    For logging from a signal handler or at exit: a handler lock held for ever by another
-    thread (a stalled stderr pipe) must not keep the process from dying.
-    """
-    thread = threading.Thread(target=action, name="swe-flush-log", daemon=True)
-    try:
-        thread.start()
-    except RuntimeError:  # no new thread at interpreter shutdown: skip rather than risk blocking
-        return
-    thread.join(timeout)

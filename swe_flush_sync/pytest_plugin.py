@@ -22,8 +22,9 @@ from ._stub import AgentServerStub
 def agent_server() -> Iterator[AgentServerStub]:
     """A started stub agent server on 127.0.0.1 (no secret required), stopped after the test.
 
-    Script faults with ``fault(id, ...)``, hold trials with ``add_trials``, read
-    ``requests`` / ``flushed_ids()``; set ``secret`` or ``scoped_secret`` to require a bearer.
+    Script faults with ``fault(id, ...)``, start runs with ``add_trials``, read ``requests`` /
+    ``flushed_ids()``; set ``secret`` or ``scoped_secret`` to require a bearer, ``max_concurrent``
+    to make runs beyond that many wait for a slot, as the bridge does.
     """
     with AgentServerStub() as server:
         yield server

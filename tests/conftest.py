@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -28,6 +29,28 @@ _ENV_VARS = (
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in _ENV_VARS:
         monkeypatch.delenv(name, raising=False)
+
+
+_children: list[subprocess.Popen[str]] = []
+
+
+def spawn(args: list[str], **kwargs: object) -> subprocess.Popen[str]:
+    """``subprocess.Popen(args, text=True, **kwargs)``, reaped after the test whatever happens."""
+    proc: subprocess.Popen[str] = subprocess.Popen(args, text=True, **kwargs)  # type: ignore[call-overload]
+    _children.append(proc)
+    return proc
+
+
+@pytest.fixture(autouse=True)
+def reap_children() -> Iterator[None]:
+    """No child outlives its test (a failed assertion included): killed if still running, waited for,
+    its pipes closed, so no ``ResourceWarning: subprocess ... is still running`` lands in a later test."""
+    yield
+    while _children:
+        proc = _children.pop()
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=10)
 
 
 @pytest.fixture(autouse=True)

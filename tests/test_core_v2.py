@@ -13,7 +13,7 @@ import pytest
 from swe_flush_sync import ConfigError, Flusher, abort, flush
 from swe_flush_sync.testing import AgentServerStub
 
-from .conftest import PYTHON, SECRET, subprocess_env
+from .conftest import PYTHON, SECRET, spawn, subprocess_env
 
 
 def env_for(stub: AgentServerStub) -> dict[str, str]:
@@ -126,8 +126,7 @@ def test_wrong_typed_option_names_it(stub: AgentServerStub, option: str, value: 
 
 def run_child(stub: AgentServerStub, body: str, **env: str) -> subprocess.Popen[str]:
     environ = subprocess_env(AGENT_SERVER_URL=stub.url, HARBOR_ADMIN_SECRET=SECRET, **env)
-    return subprocess.Popen([PYTHON, "-c", textwrap.dedent(body)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=environ)
+    return spawn([PYTHON, "-c", textwrap.dedent(body)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environ)
 
 
 def wait_line(proc: subprocess.Popen[str], marker: str, timeout: float = 20) -> float:

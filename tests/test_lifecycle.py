@@ -17,7 +17,7 @@ import pytest
 from swe_flush_sync import ConfigError, abort_async, flush_at_exit, flush_on_signal
 from swe_flush_sync.testing import AgentServerStub
 
-from .conftest import PYTHON, SECRET, subprocess_env
+from .conftest import PYTHON, SECRET, spawn, subprocess_env
 
 IDS = ["inst-a", "inst-b", "inst-c"]
 PRELUDE = """
@@ -40,8 +40,7 @@ class Child:
         environ = subprocess_env(AGENT_SERVER_URL=stub.url, HARBOR_ADMIN_SECRET=SECRET, **env)
         if tmp_path is not None:
             environ["PYTHONPATH"] = str(tmp_path) + ":" + environ["PYTHONPATH"]
-        self.proc = subprocess.Popen([PYTHON, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=environ)
+        self.proc = spawn([PYTHON, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environ)
         self.stdout: list[str] = []
         self.started = time.monotonic()
         self.signalled: float | None = None
@@ -316,3 +315,16 @@ def test_flush_at_exit_when_no_thread_can_start(stub: AgentServerStub) -> None:
     assert code == 0, err
     assert_each_id_flushed_once(stub)
     assert len({r.connection for r in stub.requests}) == 1  # one after another, on one connection
+
+
+def test_exit_flush_logs_its_summary_on_every_python(stub: AgentServerStub) -> None:
+    """Python 3.12 starts no thread at exit: the summary is logged from a standby thread."""
+    child = Child(stub, """
+        import logging
+        logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s: %(message)s")
+        flush_at_exit(args, deadline=5)
+        fill_ids(); ready()
+    """)
+    code, _, out, err = child.finish()
+    assert code == 0, err
+    assert "swe_flush_sync: flushed 3/3 targets" in out, out

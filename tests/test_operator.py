@@ -18,7 +18,7 @@ from swe_flush_sync import ConfigError, Flusher, abort, flush
 from swe_flush_sync._cli import main
 from swe_flush_sync.testing import AgentServerStub
 
-from .conftest import PYTHON, SECRET, subprocess_env
+from .conftest import PYTHON, SECRET, spawn, subprocess_env
 
 
 def closed_port() -> int:
@@ -145,9 +145,8 @@ def test_quiet_prints_only_the_summary(stub: AgentServerStub, capsys: pytest.Cap
 @pytest.mark.parametrize("presses", [1, 2])
 def test_ctrl_c_in_the_cli_exits_130_with_the_partial_report(stub: AgentServerStub, presses: int) -> None:
     stub.fault("hung", hang=True)
-    proc = subprocess.Popen([PYTHON, "-m", "swe_flush_sync", "--url", stub.url, "--id", "hung", "--id", "ok",
-                             "--deadline", "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=subprocess_env(HARBOR_ADMIN_SECRET=SECRET))
+    proc = spawn([PYTHON, "-m", "swe_flush_sync", "--url", stub.url, "--id", "hung", "--id", "ok", "--deadline", "30"],
+                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=subprocess_env(HARBOR_ADMIN_SECRET=SECRET))
     end = time.monotonic() + 10
     while set(stub.flushed_ids()) != {"ok"} or not any(r.instance_id == "hung" for r in stub.requests):
         assert time.monotonic() < end, stub.requests
@@ -164,9 +163,8 @@ def test_ctrl_c_in_the_cli_exits_130_with_the_partial_report(stub: AgentServerSt
 
 
 def test_stub_command_serves_until_ctrl_c(tmp_path: object) -> None:
-    proc = subprocess.Popen([PYTHON, "-m", "swe_flush_sync", "stub", "--port", "0", "--secret-env", "STUB_SECRET"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=subprocess_env(STUB_SECRET=SECRET))
+    proc = spawn([PYTHON, "-m", "swe_flush_sync", "stub", "--port", "0", "--secret-env", "STUB_SECRET"],
+                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=subprocess_env(STUB_SECRET=SECRET))
     assert proc.stdout is not None
     url = proc.stdout.readline().strip()
     assert url.startswith("http://127.0.0.1:") and not url.endswith(":0")

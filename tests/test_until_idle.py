@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import textwrap
 import time
 
 import pytest
@@ -12,7 +15,7 @@ from swe_flush_sync import abort, flush
 from swe_flush_sync._cli import main
 from swe_flush_sync.testing import AgentServerStub
 
-from .conftest import SECRET
+from .conftest import PYTHON, SECRET, spawn, subprocess_env
 
 
 @pytest.fixture
@@ -134,3 +137,20 @@ def test_stub_takes_runs_over_http(slots: AgentServerStub) -> None:
     assert answer.json() == {"started": 10} and (slots.trials("a"), slots.waiting("a")) == (8, 2)
     bad = requests.post(slots.url + "/trials", json={"session_server_instance_id": "a", "count": "x"}, timeout=5)
     assert bad.status_code == 422
+
+
+def test_the_signal_hook_flushes_until_idle(slots: AgentServerStub) -> None:
+    slots.add_trials("a", 20)
+    proc = spawn([PYTHON, "-c", textwrap.dedent("""
+        import time
+        from swe_flush_sync import flush_on_signal
+        flush_on_signal({"session_server_instance_id": "a"}, deadline=5, until_idle=True)
+        print("READY", flush=True)
+        time.sleep(30)
+    """)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env=subprocess_env(AGENT_SERVER_URL=slots.url, HARBOR_ADMIN_SECRET=SECRET))
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "READY"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=15)
+    assert proc.returncode == -signal.SIGTERM, err
+    assert slots.flushed_ids() == ["a"] * 4 and slots.trials("a") + slots.waiting() == 0

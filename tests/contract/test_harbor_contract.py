@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import hmac
 import importlib.util
+import inspect
 import json
 import logging
 import signal
@@ -22,7 +23,7 @@ import requests
 from swe_flush_sync import ScopedBearer, abort, flush
 from swe_flush_sync._cli import main
 
-from ..conftest import PYTHON, subprocess_env
+from ..conftest import PYTHON, spawn, subprocess_env
 from .conftest import Harbor
 from .harbor_app import scoped_bearer
 
@@ -164,8 +165,8 @@ def test_hooks_in_a_real_process(harbor_factory: HarborFactory, hook: str) -> No
         print("READY", flush=True)
         {"time.sleep(30)" if hook == "signal" else ""}
     """
-    proc = subprocess.Popen([PYTHON, "-c", textwrap.dedent(body)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=subprocess_env(AGENT_SERVER_URL=harbor.url, HARBOR_RUN_SECRET=MASTER))
+    proc = spawn([PYTHON, "-c", textwrap.dedent(body)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                 env=subprocess_env(AGENT_SERVER_URL=harbor.url, HARBOR_RUN_SECRET=MASTER))
     assert proc.stdout is not None and proc.stdout.readline().strip() == "READY"
     if hook == "signal":
         time.sleep(0.2)
@@ -188,12 +189,22 @@ def test_until_idle_stops_the_runs_queued_behind_the_bridges_slots(harbor_factor
     assert harbor.stats.running_or_waiting() == 0 and harbor.stats.interrupted_teardowns == 0
 
 
-def test_until_idle_with_ids_sharing_the_bridges_slots(harbor_factory: HarborFactory) -> None:
+def test_until_idle_drop_in_hook_with_ids_sharing_the_bridges_slots(harbor_factory: HarborFactory, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     harbor = harbor_factory(admin_secret=ADMIN, teardown=0.05, max_concurrent=8)
     start_trials(harbor, "inst-a", 8)
     start_trials(harbor, "inst-b", 8)  # all waiting behind inst-a's runs
-    report = abort(args_for(["inst-a", "inst-b"]), environ={"AGENT_SERVER_URL": harbor.url,
-                                                            "HARBOR_ADMIN_SECRET": ADMIN}, until_idle=True)
+    monkeypatch.setenv("AGENT_SERVER_URL", harbor.url)
+    monkeypatch.setenv("HARBOR_ADMIN_SECRET", ADMIN)
+    path = tmp_path / "my_abort_hook.py"  # the README's drop-in hook, as written there
+    path.write_text("import functools\nfrom swe_flush_sync import abort_async\n"
+                    "abort = functools.partial(abort_async, until_idle=True)\n")
+    spec = importlib.util.spec_from_file_location("my_abort_hook", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert inspect.iscoroutinefunction(module.abort)
+    report = asyncio.run(module.abort(args_for(["inst-a", "inst-b"])))
     assert report.ok and report.cancelled == 16 and all(r.idle for r in report.results)
     time.sleep(0.2)
     assert harbor.stats.running_or_waiting() == 0 and harbor.stats.interrupted_teardowns == 0
