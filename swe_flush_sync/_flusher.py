@@ -357,10 +357,12 @@ def _answer(track: _Track, pending: _Pending) -> FlushResult:
 
 def _merged(passes: list[FlushResult], *, idle: bool | None) -> FlushResult:
     """One result of a pair's passes: the last one's outcome, counts summed over all of them."""
+    if len(passes) == 1 and idle is None:
+        return passes[0]
     counts = [p.cancelled for p in passes if p.cancelled is not None]
     return dataclasses.replace(
         passes[-1], cancelled=sum(counts) if counts else None, attempts=sum(p.attempts for p in passes),
-        elapsed=sum(p.elapsed for p in passes), passes=sum(1 for p in passes if p.ok), idle=idle,
+        elapsed=sum(p.elapsed for p in passes), passes=sum(p.passes for p in passes), idle=idle,
         joined=all(p.joined for p in passes))
 
 

@@ -17,6 +17,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
@@ -215,11 +216,22 @@ class _TrackedHTTPSPool(HTTPSConnectionPool):
 
 
 class _FlushAdapter(requests.adapters.HTTPAdapter):
-    """requests' ``HTTPAdapter`` whose pools use the tracked connection classes."""
+    """requests' ``HTTPAdapter``, extended at the hooks it documents for subclasses: pools with the
+    tracked connection classes, the request path (a flush never goes through a proxy), and a
+    response of what a flush reads: status, reason, raw body (no header dict, no cookie jar)."""
 
     def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
         super().init_poolmanager(*args, **kwargs)
         self.poolmanager.pool_classes_by_scheme = {"http": _TrackedHTTPPool, "https": _TrackedHTTPSPool}
+
+    def request_url(self, request: requests.PreparedRequest, proxies: Mapping[str, str] | None) -> str:
+        return request.path_url
+
+    def build_response(self, req: requests.PreparedRequest, resp: BaseHTTPResponse) -> requests.Response:
+        response = requests.Response()
+        response.status_code, response.reason, response.raw = resp.status, resp.reason or "", resp
+        response.url, response.request, response.connection = req.url or "", req, self
+        return response
 
 
 def build_retry(retries: int, backoff_factor: float) -> Retry:
@@ -244,7 +256,7 @@ class Transport:
         session.trust_env = False
         # No gzip (the body is never decoded), no Accept, no Connection (HTTP/1.1 keeps alive).
         session.headers = requests.structures.CaseInsensitiveDict({"User-Agent": USER_AGENT})
-        self._verify: bool | str = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
+        self._ca_bundle: bool | str = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
         self._adapter = _FlushAdapter(pool_connections=max(len(server_urls), 1), pool_maxsize=options.workers,
                                       max_retries=build_retry(options.retries, options.backoff_factor))
         session.mount("http://", self._adapter)
@@ -280,12 +292,13 @@ class Transport:
                 stream=True,  # so that a huge or trickling body is never read past its bounds
                 # requests passes a urllib3 Timeout through unchanged; its stubs do not say so
                 timeout=_DeadlineTimeout(self._connect_timeout, token),  # type: ignore[arg-type]
-                verify=self._verify,
+                # a CA bundle only for https: requests looks its path up on every request it is given
+                verify=self._ca_bundle if server_url.startswith("https:") else True,
                 proxies={},
             )
             status = response.status_code
             if 200 <= status < 300:
-                return FlushResult(server_url, instance_id, ok=True, status_code=status,
+                return FlushResult(server_url, instance_id, ok=True, status_code=status, passes=1,
                                    cancelled=_read_cancelled(response), attempts=token.attempts,
                                    elapsed=time.monotonic() - started)
             return FlushResult(server_url, instance_id, ok=False, status_code=status, attempts=token.attempts,
