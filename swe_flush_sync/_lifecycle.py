@@ -3,9 +3,10 @@
 All of them resolve the ids from trainer ``args`` and the servers and bearer from the
 environment at the moment they run, and share one cached ``Flusher`` per configuration (so
 a per-step abort joins a request an earlier step left in flight instead of sending it again).
-The signal and exit paths give up every lingering request, flush on plain daemon threads
-with urllib3's loggers disabled, and log from a bounded thread of their own, so neither a
-logging lock nor a stalled stderr can keep the process from dying.
+The signal and exit paths give up every lingering request, flush on standby daemon threads
+started when the hook was installed, with urllib3's loggers disabled, and log from one of them
+within a bounded wait, so neither a logging lock nor a stalled stderr can keep the process from
+dying, and Python 3.12 (which starts no thread once the main thread has ended) flushes in parallel.
 """
 
 from __future__ import annotations
@@ -51,9 +52,10 @@ def register_at_thread_exit(callback: Callable[[], None]) -> bool:
     """Run ``callback`` when the main thread ends, before non-daemon threads are joined.
 
     That is ``threading``'s own exit stage (``threading._register_atexit``, what
-    ``concurrent.futures`` uses): it runs before ``atexit``, while new threads can still start
-    (Python 3.12 refuses them in ``atexit``); later registrations run first. False where this
-    Python has no such stage, or it has begun.
+    ``concurrent.futures`` uses): it runs before ``atexit`` and before ``concurrent.futures``
+    shuts its executors down; later registrations run first. (Python 3.12 starts no thread
+    there either: the hooks flush on standby threads.) False where this Python has no such
+    stage, or it has begun.
     """
     register: Callable[[Callable[[], None]], None] | None = getattr(threading, "_register_atexit", None)
     if register is None:
@@ -169,21 +171,21 @@ _standby = _Standby()
 
 
 def _abort_report(args: Any, environ: Mapping[str, str] | None, options: FlushOptions,
-                  *, on_daemon_threads: bool) -> FlushReport:
-    """The report of one abort; never raises, never logs."""
+                  *, hook: bool) -> FlushReport:
+    """The report of one abort; never raises, never logs. ``hook``: a signal or exit hook (standby threads)."""
     started = time.monotonic()
     try:
         env = os.environ if environ is None else environ
         urls = resolve_server_urls(env)
         if not urls:
-            _say_no_server_once(on_daemon_threads)
+            _say_no_server_once(hook)
             return FlushReport(elapsed=time.monotonic() - started)
         ids = resolve_instance_ids(args)
         if not ids:
             return FlushReport(elapsed=time.monotonic() - started)
         if options.admin_secret is None and options.bearer is None:
             options = dataclasses.replace(options, bearer=resolve_bearer(env))
-        runner = (lambda calls: _standby.run(calls, options.workers)) if on_daemon_threads else None
+        runner = (lambda calls: _standby.run(calls, options.workers)) if hook else None
         return _cached_flusher(urls, options)._flush_ids(ids, options.deadline, runner=runner)
     except FlushError as exc:
         error = str(exc)
@@ -192,8 +194,8 @@ def _abort_report(args: Any, environ: Mapping[str, str] | None, options: FlushOp
     return FlushReport(elapsed=time.monotonic() - started, error=error)
 
 
-def _say_no_server_once(on_daemon_threads: bool) -> None:
-    if _State.said_no_server or on_daemon_threads:
+def _say_no_server_once(hook: bool) -> None:
+    if _State.said_no_server or hook:
         return
     _State.said_no_server = True
     log.info("abort: no agent server configured (%s unset); nothing is flushed", " and ".join(URL_ENV_VARS))
@@ -234,7 +236,7 @@ def abort(args: Any, *, environ: Mapping[str, str] | None = None, **options: Unp
     except ConfigError as exc:
         report = FlushReport(error=str(exc))
     else:
-        report = _abort_report(args, environ, flush_options, on_daemon_threads=False)
+        report = _abort_report(args, environ, flush_options, hook=False)
     log_report(report)
     return report
 
@@ -257,7 +259,7 @@ def _hook_flush(args: Any, environ: Mapping[str, str] | None, options: FlushOpti
     """The flush of a signal or exit hook: nothing lingering, nothing logged from a worker."""
     with urllib3_silenced():
         abandon_all_in_flight("given up by the signal or exit hook")
-        report = _abort_report(args, environ, options, on_daemon_threads=True)
+        report = _abort_report(args, environ, options, hook=True)
     _standby.run_bounded(lambda: _log_and_flush_stdio(report), _HOOK_LOG_TIMEOUT)
     return report
 
@@ -393,7 +395,7 @@ class ExitHook:
         self._environ = environ
         self._options = options
         self._done = False
-        # When the main thread ends, while threads can still start (3.12 refuses them in atexit).
+        # When the main thread ends, before atexit and before the program's non-daemon threads are joined.
         self._at_thread_exit = register_at_thread_exit(self._run)
         if not self._at_thread_exit:
             atexit.register(self._run)
