@@ -205,7 +205,7 @@ class Flusher:
 
     def _send_pass(self, tracks: list[_Track], deadline_at: float, runner: Runner | None) -> None:
         """Join or send one pass of each track (lock held); a pair without a bearer ends at once."""
-        self._make_room(0)  # forget answered requests first: their pairs are sent afresh
+        self._forget_finished()  # answered requests are not joined: their pairs are sent afresh
         fresh: list[tuple[_Track, str | None, CancelToken]] = []
         for track in tracks:
             pending = self._inflight.get(track.pair)
@@ -218,21 +218,27 @@ class Flusher:
                 track.final = _merged([*track.passes, FlushResult(*track.pair, ok=False, error=str(exc))], idle=None)
                 continue
             fresh.append((track, authorization, CancelToken(deadline_at, deadline_at + self._options.linger)))
-        self._make_room(0 if runner is not None else len(fresh))
+        if runner is None:  # the hooks gave every lingering request up already
+            self._make_room(len(fresh))
         transport = self._transport_now()
         calls = [functools.partial(transport.post, *t.pair, auth, token) for t, auth, token in fresh]
         for (track, _, token), future in zip(fresh, self._submit(calls, runner), strict=True):
             track.pending = self._inflight[track.pair] = _Pending(future, token)
             track.joined = False
 
-    def _make_room(self, needed: int) -> None:
-        """Forget answered requests, give up those past their linger (a peer trickling for ever), then
-        the oldest lingering ones until ``needed`` fresh pairs each find a worker."""
+    def _forget_finished(self) -> None:
+        """Drop answered requests from the in-flight map; give up those past their linger."""
         now = time.monotonic()
         for pair, pending in list(self._inflight.items()):
-            if pending.future.done() or pending.token.linger_until <= now:
-                _give_up(pending, "linger ran out")  # no-op on an answered one
+            if pending.future.done():
                 del self._inflight[pair]
+            elif pending.token.linger_until <= now:  # a peer that trickles bytes for ever
+                _give_up(pending, "linger ran out")
+                del self._inflight[pair]
+
+    def _make_room(self, needed: int) -> None:
+        """Give up the oldest lingering requests until ``needed`` fresh pairs each find a worker."""
+        now = time.monotonic()
         lingering = sorted((p for p in self._inflight.items() if p[1].token.deadline_at <= now),
                            key=lambda item: item[1].token.deadline_at)
         for pair, pending in lingering[:max(len(self._inflight) + needed - self._options.workers, 0)]:
