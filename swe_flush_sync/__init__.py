@@ -7,7 +7,8 @@ training script::
     report = abort(args)  # ids from args, servers and secret from the environment
 
 See ``Flusher`` for a reusable flusher, ``flush`` for a one-shot call, and
-``flush_on_signal`` / ``flush_at_exit`` / ``abort_async`` for the lifecycle hooks.
+``flush_on_signal`` / ``flush_at_exit`` / ``abort_async`` for the lifecycle hooks, and
+``watchdog`` for a process that flushes when the trainer dies without running any Python.
 """
 
 import logging
@@ -20,6 +21,7 @@ from ._options import DEFAULT_DEADLINE, FlushOptions
 from ._report import FlushReport, FlushResult
 from ._resolve import resolve_bearer, resolve_instance_ids, resolve_server_urls
 from ._version import __version__ as __version__
+from ._watchdog import Watchdog, watchdog
 
 __all__ = [
     "DEFAULT_DEADLINE",
@@ -35,6 +37,7 @@ __all__ = [
     "ScopedBearer",
     "SignalHook",
     "StaticBearer",
+    "Watchdog",
     "abort",
     "abort_async",
     "flush",
@@ -43,6 +46,7 @@ __all__ = [
     "resolve_bearer",
     "resolve_instance_ids",
     "resolve_server_urls",
+    "watchdog",
 ]
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())

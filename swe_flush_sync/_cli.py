@@ -15,6 +15,7 @@ import logging
 import os
 import secrets
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -47,7 +48,7 @@ EXIT_USAGE = 2
 
 USAGE = """swe-flush [--url URL]... [--id ID]... [--ids-json PATH|-] [--secret-file PATH]
                  [--deadline S] [--workers N] [--retries N] [--until-idle] [--json] [-q | -v]
-       swe-flush demo [--instances N] [--teardown S] [--max-concurrent N] [--until-idle] [--json]
+       swe-flush demo [--instances N] [--teardown S] [--max-concurrent N] [--until-idle] [--watchdog] [--json]
        swe-flush stub [--host H] [--port P] [--teardown S] [--max-concurrent N] [--secret-env VAR]"""
 EXIT_INTERRUPTED = 130
 _OPTION_FLAGS = {"max_workers": "--workers", "deadline": "--deadline", "retries": "--retries"}
@@ -117,6 +118,9 @@ def _demo_parser() -> _Parser:
                         help="seconds each flush waits for its trials' teardown (default 0.5)")
     _add_max_concurrent(parser)
     _add_until_idle(parser)
+    parser.add_argument("--watchdog", action="store_true",
+                        help="instead: a trainer process arms a watchdog and is killed with SIGKILL; "
+                             "show what the watchdog flushed")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return parser
 
@@ -310,6 +314,8 @@ def _run_demo(ns: argparse.Namespace) -> int:
     if ns.instances < 1 or ns.teardown < 0:
         raise ConfigError("--instances must be >= 1 and --teardown >= 0")
     _check_max_concurrent(ns.max_concurrent)
+    if ns.watchdog:
+        return _run_watchdog_demo(ns)
     secret = secrets.token_urlsafe(16)
     ids = [f"demo-instance-{index}" for index in range(ns.instances)]
     with AgentServerStub(secret=secret, teardown=ns.teardown, max_concurrent=ns.max_concurrent) as stub:
@@ -335,3 +341,55 @@ def _run_demo(ns: argparse.Namespace) -> int:
               f"{one_by_one:.2f}s (the sum of each flush's own time), {one_by_one / max(report.elapsed, 1e-9):.1f}x "
               f"longer. Trials left running or waiting: {left}.")
     return EXIT_OK if report.ok and left == 0 else EXIT_FAILED
+
+
+_DEMO_TRAINER = """
+import sys
+from swe_flush_sync import watchdog
+ids = sys.argv[1:]
+guard = watchdog({"session_server_instance_ids": ids}, deadline=10)
+print(guard.pid, flush=True)
+sys.stdin.read()  # a trainer at work, until it is killed
+"""
+
+
+def _run_watchdog_demo(ns: argparse.Namespace) -> int:
+    """A trainer process arms a watchdog, is killed with SIGKILL; the watchdog flushes its trials."""
+    secret = secrets.token_urlsafe(16)
+    ids = [f"demo-instance-{index}" for index in range(ns.instances)]
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with AgentServerStub(secret=secret, teardown=ns.teardown, max_concurrent=ns.max_concurrent) as stub:
+        for index, instance_id in enumerate(ids):
+            stub.add_trials(instance_id, 2 + index % 3)
+        started = sum(stub.trials(instance_id) for instance_id in ids) + stub.waiting()
+        env = {**os.environ, "AGENT_SERVER_URL": stub.url, "HARBOR_ADMIN_SECRET": secret,
+               "PYTHONPATH": os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")]))}
+        trainer = subprocess.Popen([sys.executable, "-c", _DEMO_TRAINER, *ids], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+        assert trainer.stdout is not None and trainer.stderr is not None
+        watchdog_pid = trainer.stdout.readline().strip()
+        if not watchdog_pid.isdigit():
+            trainer.kill()
+            trainer.communicate()
+            raise FlushError("the demo trainer could not arm its watchdog")
+        trainer.kill()  # SIGKILL: no Python runs in the trainer any more
+        trainer.wait()
+        killed = time.monotonic()
+        said = trainer.stderr.read()  # end-of-file once the watchdog, which inherited it, has exited
+        ended = time.monotonic() - killed
+        trainer.stdin.close()  # type: ignore[union-attr]
+        trainer.stdout.close()
+        trainer.stderr.close()
+        flushed = len(stub.flushed_ids())
+        left = sum(stub.trials(instance_id) for instance_id in ids) + stub.waiting()
+    summary = said.strip().splitlines()[-1] if said.strip() else "(the watchdog said nothing)"
+    if ns.json:
+        print(json.dumps({"trainer_pid": trainer.pid, "watchdog_pid": int(watchdog_pid), "watchdog_said": summary,
+                          "flush_requests": flushed, "trials_started": started, "trials_left": left,
+                          "watchdog_exited_after_seconds": ended}, indent=2))
+    else:
+        print(f"swe-flush demo --watchdog: a trainer (pid {trainer.pid}) ran {started} trials on "
+              f"{len(ids)} session-server instances at {stub.url}, armed a watchdog (pid {watchdog_pid}) "
+              f"and was killed with SIGKILL.\n\n{summary}\n\nThe watchdog sent {flushed} flush requests "
+              f"and exited {ended:.2f}s after the kill. Trials left running or waiting: {left}.")
+    return EXIT_OK if left == 0 and "trainer gone; flushed" in summary else EXIT_FAILED

@@ -11,7 +11,6 @@ dying, and Python 3.12 (which starts no thread once the main thread has ended) f
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import dataclasses
 import logging
@@ -32,6 +31,7 @@ from ._logs import WORKER_THREAD_PREFIX, log_report, urllib3_silenced
 from ._options import DEFAULT_DEADLINE, FlushOptions
 from ._report import FlushReport
 from ._resolve import URL_ENV_VARS, resolve_bearer, resolve_instance_ids, resolve_server_urls
+from ._watchdog import disarm_flushed, refresh_watchdogs, warn_lost_watchdogs
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -78,7 +78,7 @@ class _State:
 
 
 def _cached_flusher(urls: tuple[str, ...], options: FlushOptions) -> Flusher:
-    key = (urls, dataclasses.replace(options, deadline=DEFAULT_DEADLINE))  # the deadline is per call
+    key = (urls, dataclasses.replace(options, deadline=DEFAULT_DEADLINE, ledger=None))  # the deadline is per call
     with _cache_lock:
         flusher = _cache.get(key)
         if flusher is None or flusher.closed:
@@ -175,6 +175,7 @@ def _abort_report(args: Any, environ: Mapping[str, str] | None, options: FlushOp
     """The report of one abort; never raises, never logs. ``hook``: a signal or exit hook (standby threads)."""
     started = time.monotonic()
     try:
+        refresh_watchdogs(args)  # first: a death during this flush leaves the watchdog the current ids
         env = os.environ if environ is None else environ
         urls = resolve_server_urls(env)
         if not urls:
@@ -238,6 +239,7 @@ def abort(args: Any, *, environ: Mapping[str, str] | None = None, **options: Unp
     else:
         report = _abort_report(args, environ, flush_options, hook=False)
     log_report(report)
+    warn_lost_watchdogs()
     return report
 
 
@@ -252,6 +254,8 @@ async def abort_async(args: Any, *, environ: Mapping[str, str] | None = None,
     Example:
         >>> report = await abort_async(args, deadline=5)  # doctest: +SKIP
     """
+    import asyncio  # loaded already wherever a coroutine runs; not paid by sync trainers
+
     return await asyncio.to_thread(abort, args, environ=environ, **options)
 
 
@@ -260,6 +264,7 @@ def _hook_flush(args: Any, environ: Mapping[str, str] | None, options: FlushOpti
     with urllib3_silenced():
         abandon_all_in_flight("given up by the signal or exit hook")
         report = _abort_report(args, environ, options, hook=True)
+        disarm_flushed(report)  # every pair flushed: the watchdog must not flush them again
     _standby.run_bounded(lambda: _log_and_flush_stdio(report), _HOOK_LOG_TIMEOUT)
     return report
 

@@ -64,6 +64,10 @@ class FlushOptions:
         admin_secret: a static bearer secret; shorthand for ``bearer=StaticBearer(secret)``.
         bearer: a bearer provider (instance id -> token), e.g. ``ScopedBearer``; at most one
             of ``admin_secret`` and ``bearer``. Neither: no ``Authorization`` header.
+        ledger: a directory where a ``watchdog`` keeps a record of the trainer's servers and
+            ids for ``recover()`` after a lost pod or node (default: ``SWE_FLUSH_LEDGER``).
+            Accepted by every entry point, so one set of options covers a trainer; only the
+            watchdog writes there.
 
     Raises:
         ConfigError: a value is of the wrong type or out of range; the message names it.
@@ -78,6 +82,7 @@ class FlushOptions:
     until_idle: bool = False
     admin_secret: str | None = None
     bearer: BearerProvider | None = None
+    ledger: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "deadline", check_seconds(self.deadline, "deadline"))
@@ -102,6 +107,9 @@ class FlushOptions:
             StaticBearer(self.admin_secret)  # validates it without ever showing it
         if self.bearer is not None and not callable(self.bearer):
             raise ConfigError(f"bearer must be a callable instance_id -> token, not {type(self.bearer).__name__}")
+        if self.ledger is not None and (not isinstance(self.ledger, str) or not self.ledger.strip()
+                                        or "\0" in self.ledger):
+            raise ConfigError("ledger must be a directory path (a non-empty str)")
 
     @property
     def bearer_provider(self) -> BearerProvider | None:
@@ -119,7 +127,8 @@ class FlushOptions:
             repr(self.bearer) if isinstance(self.bearer, (StaticBearer, ScopedBearer)) else type(self.bearer).__name__)
         return (f"FlushOptions(deadline={self.deadline:g}, retries={self.retries}, max_workers={self.max_workers}, "
                 f"connect_timeout={self.connect_timeout:g}, backoff_factor={self.backoff_factor:g}, "
-                f"linger={self.linger:g}, until_idle={self.until_idle}, admin_secret={secret}, bearer={bearer})")
+                f"linger={self.linger:g}, until_idle={self.until_idle}, admin_secret={secret}, bearer={bearer}, "
+                f"ledger={self.ledger!r})")
 
 
 class HookOptionKwargs(TypedDict, total=False):
@@ -138,6 +147,7 @@ class HookOptionKwargs(TypedDict, total=False):
     until_idle: bool
     admin_secret: str | None
     bearer: BearerProvider | None
+    ledger: str | None
 
 
 class OptionKwargs(HookOptionKwargs, total=False):

@@ -145,3 +145,15 @@ def test_demo_json(capsys: pytest.CaptureFixture[str]) -> None:
     data = json.loads(out)
     assert code == 0 and data["ok"] and len(data["results"]) == 3 and data["trials_left"] == 0
     assert data["one_by_one_seconds"] >= 3 * 0.1
+
+
+def test_demo_watchdog_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["demo", "--watchdog", "--instances", "3", "--teardown", "0.05", "--max-concurrent", "4",
+                        "--json"], capsys)
+    data = json.loads(out)
+    assert code == 0 and data["trials_started"] == 9 and data["trials_left"] == 0
+    assert f"swe-flush watchdog for pid {data['trainer_pid']}: trainer gone; flushed 3/3 targets" \
+        in data["watchdog_said"]
+    assert data["flush_requests"] >= 3 and data["watchdog_exited_after_seconds"] < 11
+    assert not Path(f"/proc/{data['watchdog_pid']}/cmdline").exists() or \
+        Path(f"/proc/{data['watchdog_pid']}/cmdline").read_bytes() == b""  # gone (or a zombie for init)

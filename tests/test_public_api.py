@@ -6,13 +6,14 @@ from swe_flush_sync import ConfigError, FlushError, FlushFailed
 CONTRACT = {
     "resolve_instance_ids", "resolve_server_urls", "Flusher", "flush", "abort", "abort_async",
     "flush_on_signal", "flush_at_exit", "FlushReport", "FlushResult", "FlushError", "ConfigError", "FlushFailed",
+    "watchdog",
 }
 
 
 def test_all_is_the_contract_plus_hooks() -> None:
     assert set(swe_flush_sync.__all__) == CONTRACT | {
         "DEFAULT_DEADLINE", "SignalHook", "ExitHook", "FlushOptions", "BearerProvider", "StaticBearer",
-        "ScopedBearer", "resolve_bearer"}
+        "ScopedBearer", "resolve_bearer", "Watchdog"}
     for name in swe_flush_sync.__all__:
         assert hasattr(swe_flush_sync, name), name
 

@@ -1,0 +1,259 @@
+"""The watchdog process: waits for its trainer's end, then flushes the trainer's last ids.
+
+Run by ``watchdog()`` as a fresh interpreter (``python <this file> --trainer-pid N ...``), it
+double-forks into its own session, ignores SIGINT, SIGTERM and SIGHUP, and blocks reading the
+control pipe whose write end only the trainer holds. Each line on the pipe is a JSON message:
+``{"state": {...}}`` (servers, ids, per-id bearers, options, the trainer's ``sys.path``, the
+ledger) or ``{"disarm": true}``. End-of-file means the trainer is gone, however it died: the
+watchdog then imports ``swe_flush_sync`` (only now: while it waits it holds nothing but the
+standard library), calls the public ``flush`` with the last state, writes one summary line to
+the stderr it inherited and exits.
+
+With a ledger (a directory), it also keeps one record of the trainer's servers and ids there
+(never a secret), refreshes its heartbeat, and removes it after a flush that succeeded for every
+pair or on disarm. This module imports only the standard library: ``swe_flush_sync._ledger``
+reads the records with the helpers below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any, Final
+
+RECORD_VERSION: Final = 1
+RECORD_SUFFIX: Final = ".json"
+ARMED: Final = b"armed"
+IGNORED_SIGNALS: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+PROCESS_NAME: Final = b"swe-flush-watch"  # /proc/PID/comm, at most 15 bytes
+
+
+def host_name() -> str:
+    """This machine's host name."""
+    return socket.gethostname()
+
+
+def boot_id() -> str | None:
+    """The kernel's boot id (changes at every boot), None where there is none."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as handle:
+            return handle.read().strip() or None
+    except OSError:
+        return None
+
+
+def process_start_time(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot), None if it does not exist (or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            stat = handle.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: count fields after its last ')'.
+    fields = stat.rpartition(b")")[2].split()
+    try:
+        return int(fields[19])  # field 22 of the whole line
+    except (IndexError, ValueError):
+        return None
+
+
+def record_file_name(host: str, pid: int, started: int | None) -> str:
+    """The ledger file of one trainer: host, pid and start time (unique on a host across pid reuse)."""
+    safe_host = "".join(ch if ch.isalnum() or ch in "-." else "_" for ch in host)[:64] or "host"
+    return f"{safe_host}.{pid}.{started or 0}{RECORD_SUFFIX}"
+
+
+def write_atomically(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path``: a temporary file beside it, fsync, rename, fsync the directory."""
+    folder = os.path.dirname(path) or "."
+    temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(temporary, path)
+    try:
+        dir_fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)
+
+
+class _Ledger:
+    """The trainer's record in the ledger directory, kept by the watchdog."""
+
+    def __init__(self, folder: str, trainer_pid: int, heartbeat: float) -> None:
+        self.heartbeat = heartbeat
+        self._host = host_name()
+        self._started = process_start_time(trainer_pid)
+        self._pid = trainer_pid
+        self._boot = boot_id()
+        self.path = os.path.join(folder, record_file_name(self._host, trainer_pid, self._started))
+        self._state: Mapping[str, Any] = {}
+
+    def write(self, state: Mapping[str, Any] | None = None) -> None:
+        """Write (or rewrite) the record with ``state``'s servers and ids and a fresh heartbeat."""
+        if state is not None:
+            self._state = state
+        record = {"version": RECORD_VERSION, "urls": list(self._state.get("urls", ())),
+                  "ids": list(self._state.get("ids", ())), "host": self._host, "pid": self._pid,
+                  "start_time": self._started, "boot_id": self._boot, "heartbeat": time.time(),
+                  "heartbeat_interval": self.heartbeat}
+        write_atomically(self.path, json.dumps(record).encode())
+
+    def remove(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+
+def _say(line: str) -> None:
+    """One line on the inherited stderr; a closed or broken one is ignored."""
+    if sys.stderr is None:  # fd 2 was closed when the trainer started us
+        return
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def _detach() -> None:
+    """Double fork into a new session; only the grandchild returns (the others exit, reaped)."""
+    child = os.fork()
+    if child:
+        os.waitpid(child, 0)  # the middle process ends at once: no zombie stays
+        os._exit(0)
+    os.setsid()
+    if os.fork():
+        os._exit(0)
+    try:
+        with open("/proc/self/comm", "wb") as handle:
+            handle.write(PROCESS_NAME)
+    except OSError:
+        pass
+
+
+class _Watch:
+    """The watchdog's state: the last message's state, the ledger record, the ready pipe."""
+
+    def __init__(self, trainer_pid: int, ready_fd: int) -> None:
+        self.trainer_pid = trainer_pid
+        self.state: dict[str, Any] | None = None
+        self.ledger: _Ledger | None = None
+        self._ready_fd: int | None = ready_fd
+
+    def take(self, line: bytes) -> bool:
+        """Apply one control line; False on disarm."""
+        try:
+            message = json.loads(line)
+        except ValueError:
+            return True  # a line cut by a signal in the trainer: the next state replaces it
+        if not isinstance(message, dict):
+            return True
+        if message.get("disarm"):
+            return False
+        state = message.get("state")
+        if isinstance(state, dict):
+            self.state = state
+            self._keep_record(state)
+            self._ack()
+        return True
+
+    def _keep_record(self, state: dict[str, Any]) -> None:
+        folder = state.get("ledger")
+        if self.ledger is None and isinstance(folder, str):
+            self.ledger = _Ledger(folder, self.trainer_pid, float(state.get("heartbeat", 10.0)))
+        if self.ledger is not None:
+            try:
+                self.ledger.write(state)
+            except OSError as exc:
+                _say(f"swe-flush watchdog for pid {self.trainer_pid}: cannot write the ledger record: "
+                     f"{exc.strerror or exc}")
+
+    def _ack(self) -> None:
+        """Tell ``watchdog()`` the ids are held (once); the pipe stays open: its end tells the trainer ours."""
+        if self._ready_fd is not None:
+            with contextlib.suppress(OSError):
+                os.write(self._ready_fd, ARMED + b" %d\n" % os.getpid())
+            self._ready_fd = None
+
+    def wait_for_end(self, control_fd: int) -> bool:
+        """Block until end-of-file (True) or disarm (False); heartbeats in between."""
+        pending = b""
+        while True:
+            timeout = self.ledger.heartbeat if self.ledger is not None else None
+            readable, _, _ = select.select([control_fd], [], [], timeout)
+            if not readable:
+                self._keep_record_alive()
+                continue
+            chunk = os.read(control_fd, 65536)
+            if not chunk:
+                return True
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                if not self.take(line):
+                    return False
+
+    def _keep_record_alive(self) -> None:
+        if self.ledger is not None:
+            with contextlib.suppress(OSError):
+                self.ledger.write()
+
+    def flush(self) -> bool:
+        """Flush the last state's pairs with the public ``flush``; True when every pair flushed."""
+        state = self.state
+        if state is None or not state.get("ids") or not state.get("urls"):
+            return True
+        sys.path[:] = state.get("sys_path") or sys.path
+        from swe_flush_sync import flush  # imported only now: the wait stays lean
+
+        tokens: dict[str, str] | None = state.get("tokens")
+        options = dict(state.get("options") or {})
+        if tokens is not None:
+            options["bearer"] = tokens.__getitem__  # a missing token fails that pair only
+        report = flush(state["urls"], state["ids"], linger=0.0, **options)
+        _say(f"swe-flush watchdog for pid {self.trainer_pid}: trainer gone; {report.summary()}")
+        return report.ok
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the watchdog process (``--trainer-pid N --control-fd R --ready-fd W``)."""
+    for signum in IGNORED_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, IGNORED_SIGNALS)  # blocked by the trainer while it started us
+    args = dict(zip(*[iter(argv if argv is not None else sys.argv[1:])] * 2, strict=False))
+    trainer_pid = int(args["--trainer-pid"])
+    control_fd, ready_fd = int(args["--control-fd"]), int(args["--ready-fd"])
+    _detach()
+    watch = _Watch(trainer_pid, ready_fd)
+    code = 0
+    try:
+        if watch.wait_for_end(control_fd):
+            code = 0 if watch.flush() else 1
+            if code == 0 and watch.ledger is not None:
+                watch.ledger.remove()
+        elif watch.ledger is not None:  # disarmed: the trainer's own hook flushed everything
+            watch.ledger.remove()
+    except Exception as exc:  # noqa: BLE001 - the last words of a process nobody waits for
+        _say(f"swe-flush watchdog for pid {trainer_pid}: failed: {type(exc).__name__}")
+        code = 2
+    os._exit(code)  # no lingering worker thread (a DNS lookup, a connect) may hold the exit
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,424 @@
+"""The watchdog in real processes: trainers that really die, a watchdog that really flushes over sockets.
+
+Every trainer is a child Python started in its own session (so a signal to its group reaches
+nothing else); every watchdog it arms is ended by its pid after the test if it still runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import textwrap
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from swe_flush_sync import ConfigError, Watchdog, watchdog
+from swe_flush_sync.testing import AgentServerStub
+
+from .conftest import PYTHON, SECRET, spawn, subprocess_env
+
+IDS = ("wd-a", "wd-b", "wd-c")
+PRELUDE = """
+import argparse, os, resource, signal, sys, time
+from swe_flush_sync import abort, flush_at_exit, flush_on_signal, watchdog
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a real crash below, but no core file
+args = argparse.Namespace(session_server_instance_ids={8000: "wd-a", 8001: "wd-b"},
+                          session_server_instance_id="wd-c")
+def armed(guard):
+    print("ARMED", guard.pid, flush=True)
+"""
+
+_watchdog_pids: list[int] = []
+
+
+@pytest.fixture(autouse=True)
+def end_watchdogs() -> Iterator[None]:
+    """Every watchdog a test armed is gone after it: killed by its pid if it still runs."""
+    yield
+    while _watchdog_pids:
+        pid = _watchdog_pids.pop()
+        if not gone(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def gone(pid: int) -> bool:
+    """True when ``pid`` has exited (no such process, or a zombie not yet reaped by init)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            return handle.read().rpartition(b")")[2].split()[0] == b"Z"
+    except FileNotFoundError:
+        return True
+
+
+def wait_until(condition: Callable[[], bool], timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+class Trainer:
+    """A child trainer running ``PRELUDE + body`` in its own session, against ``stub``."""
+
+    def __init__(self, stub: AgentServerStub, body: str, **env: str) -> None:
+        environ = subprocess_env(**{"AGENT_SERVER_URL": stub.url, "HARBOR_ADMIN_SECRET": SECRET, **env})
+        self.proc = spawn([PYTHON, "-c", PRELUDE + textwrap.dedent(body)], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, env=environ, start_new_session=True)
+        self.watchdog_pid = 0
+        self.lines: list[str] = []
+
+    def read(self, word: str, timeout: float = 20) -> list[str]:
+        """The words of the first stdout line starting with ``word``."""
+        assert self.proc.stdout is not None
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            self.lines.append(line)
+            if line.startswith(word):
+                return line.split()
+        self.proc.kill()
+        raise AssertionError(f"the trainer never printed {word}: {self.lines}")
+
+    def armed(self) -> int:
+        self.watchdog_pid = int(self.read("ARMED")[1])
+        _watchdog_pids.append(self.watchdog_pid)
+        return self.watchdog_pid
+
+    def death(self, timeout: float = 20) -> float:
+        """When the trainer was seen to have ended (polled every few ms)."""
+        assert wait_until(lambda: self.proc.poll() is not None, timeout), "the trainer did not end"
+        return time.monotonic()
+
+    def stderr_after_watchdog(self, timeout: float) -> str:
+        """The trainer's stderr, read once the watchdog (which inherited it) is gone."""
+        assert wait_until(lambda: gone(self.watchdog_pid), timeout), "the watchdog outlived its bound"
+        assert self.proc.stderr is not None
+        return self.proc.stderr.read()
+
+
+DEATHS = {
+    "sigkill": "time.sleep(60)",
+    "segfault": "import ctypes; ctypes.string_at(0)",
+    "os.abort": "os.abort()",
+    "os._exit": "os._exit(3)",
+    "uncaught exception": "raise RuntimeError('the trainer failed')",
+    "normal return": "pass",
+    "sigint to the group": "time.sleep(60)",
+}
+
+
+@pytest.mark.parametrize("death", list(DEATHS))
+def test_every_death_flushes_each_id_once(stub: AgentServerStub, death: str) -> None:
+    for instance_id in IDS:
+        stub.add_trials(instance_id, 2)
+    deadline = 5.0
+    trainer = Trainer(stub, f"""
+        armed(watchdog(args, deadline={deadline}, until_idle=False))
+        {DEATHS[death]}
+    """)
+    trainer.armed()
+    if death == "sigkill":
+        trainer.proc.kill()
+    elif death == "sigint to the group":
+        os.killpg(trainer.proc.pid, signal.SIGINT)  # Ctrl-C: the trainer's whole process group
+    died = trainer.death()
+    assert wait_until(lambda: len(stub.requests) >= len(IDS), 1.0), f"{death}: not flushed within 1 s"
+    assert Counter(stub.flushed_ids()) == dict.fromkeys(IDS, 1)
+    assert all(request.at - died <= 1.0 for request in stub.requests)
+    assert [stub.trials(instance_id) for instance_id in IDS] == [0, 0, 0]
+    err = trainer.stderr_after_watchdog(deadline + 1 - (time.monotonic() - died))
+    assert f"swe-flush watchdog for pid {trainer.proc.pid}: trainer gone; flushed 3/3 targets" in err
+    time.sleep(0.2)
+    assert len(stub.requests) == len(IDS)  # and nothing more
+
+
+def test_watchdog_survives_signals_and_waits_without_cpu(stub: AgentServerStub) -> None:
+    trainer = Trainer(stub, """
+        started = time.monotonic()
+        guard = watchdog(args, until_idle=False)
+        print("TOOK", time.monotonic() - started, flush=True)
+        armed(guard)
+        time.sleep(60)
+    """)
+    took = float(trainer.read("TOOK")[1])
+    pid = trainer.armed()
+    assert took < 2.0  # the issue asks 0.5 s: measured in benchmarks/, here only a bound with a margin
+    with open(f"/proc/{pid}/stat", "rb") as handle:
+        fields = handle.read().rpartition(b")")[2].split()
+    parent, group, session = int(fields[1]), int(fields[2]), int(fields[3])
+    # double-forked into a session of its own: not the trainer's child, not in its group or session
+    assert parent != trainer.proc.pid and group != trainer.proc.pid and session != os.getsid(trainer.proc.pid)
+    assert session != pid  # and not a session leader: it can never acquire a controlling terminal
+    assert not [child for child in _children_of(trainer.proc.pid)]  # no zombie left in the trainer
+
+    cpu_before = _cpu_ticks(pid)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        os.kill(pid, signum)
+    time.sleep(1.0)
+    assert not gone(pid) and stub.requests == []
+    assert _cpu_ticks(pid) == cpu_before  # blocked on the pipe: no CPU while it waits
+    assert _rss_kib(pid) < 30 * 1024
+
+    with open(f"/proc/{pid}/cmdline", "rb") as handle:
+        command = handle.read().replace(b"\0", b" ").decode()
+    assert SECRET not in command
+    assert "_watchdog_process.py" in command and f"--trainer-pid {trainer.proc.pid}" in command
+    trainer.proc.kill()
+    trainer.death()
+    assert wait_until(lambda: len(stub.requests) == len(IDS), 2.0)
+
+
+def _children_of(pid: int) -> list[int]:
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as handle:
+                    if int(handle.read().rpartition(b")")[2].split()[1]) == pid:
+                        children.append(int(entry))
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+    return children
+
+
+def _cpu_ticks(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as handle:
+        fields = handle.read().rpartition(b")")[2].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as handle:
+        return next(int(line.split()[1]) for line in handle if line.startswith("VmRSS:"))
+
+
+def test_disarm_then_sigkill_flushes_nothing(stub: AgentServerStub) -> None:
+    trainer = Trainer(stub, """
+        guard = watchdog(args)
+        armed(guard)
+        guard.disarm()
+        guard.disarm()  # idempotent
+        print("DISARMED", guard.armed, flush=True)
+        time.sleep(60)
+    """)
+    pid = trainer.armed()
+    assert trainer.read("DISARMED") == ["DISARMED", "False"]
+    assert wait_until(lambda: gone(pid), 1.0), "a disarmed watchdog must exit within a second"
+    trainer.proc.kill()
+    trainer.death()
+    time.sleep(0.5)
+    assert stub.requests == []
+
+
+def test_refresh_hands_over_changed_ids(stub: AgentServerStub) -> None:
+    trainer = Trainer(stub, """
+        guard = watchdog(args, until_idle=False)
+        armed(guard)
+        unchanged = guard.refresh()
+        args.session_server_instance_ids = {8002: "wd-new"}
+        args.session_server_instance_id = None
+        print("REFRESHED", unchanged, guard.refresh(), guard.refresh(), flush=True)
+        time.sleep(60)
+    """)
+    trainer.armed()
+    assert trainer.read("REFRESHED") == ["REFRESHED", "False", "True", "False"]
+    trainer.proc.kill()
+    trainer.death()
+    assert wait_until(lambda: len(stub.requests) >= 1, 2.0)
+    time.sleep(0.2)
+    assert stub.flushed_ids() == ["wd-new"]
+
+
+def test_abort_hands_the_new_ids_to_the_watchdog(stub: AgentServerStub) -> None:
+    trainer = Trainer(stub, """
+        guard = watchdog(args, until_idle=False)
+        armed(guard)
+        args.session_server_instance_ids = {8002: "wd-new"}
+        args.session_server_instance_id = None
+        print("ABORTED", abort(args).ok, guard.refresh(), flush=True)  # refresh: abort handed them over
+        time.sleep(60)
+    """)
+    trainer.armed()
+    assert trainer.read("ABORTED") == ["ABORTED", "True", "False"]
+    trainer.proc.kill()
+    trainer.death()
+    assert wait_until(lambda: len(stub.requests) >= 2, 2.0)
+    time.sleep(0.2)
+    assert stub.flushed_ids() == ["wd-new", "wd-new"]  # abort's flush, then the watchdog's
+
+
+@pytest.mark.parametrize("hook", ["exit", "sigterm"])
+def test_a_hook_that_flushed_everything_disarms_the_watchdog(stub: AgentServerStub, hook: str) -> None:
+    install = "flush_at_exit(args, deadline=5)" if hook == "exit" else "flush_on_signal(args, deadline=5)"
+    trainer = Trainer(stub, f"""
+        {install}
+        armed(watchdog(args, deadline=5, until_idle=False))
+        {"pass" if hook == "exit" else "time.sleep(60)"}
+    """)
+    pid = trainer.armed()
+    if hook == "sigterm":
+        trainer.proc.send_signal(signal.SIGTERM)
+    trainer.death()
+    assert trainer.proc.returncode == (0 if hook == "exit" else -signal.SIGTERM)
+    assert wait_until(lambda: gone(pid), 1.0)
+    time.sleep(0.3)
+    assert Counter(stub.flushed_ids()) == dict.fromkeys(IDS, 1)  # by the hook; the watchdog was disarmed
+
+
+def test_a_hook_that_failed_leaves_the_watchdog_armed(stub: AgentServerStub) -> None:
+    stub.fault("wd-b", statuses=[500] * 10)
+    trainer = Trainer(stub, """
+        flush_at_exit(args, deadline=5, retries=0)
+        armed(watchdog(args, deadline=5, retries=0, until_idle=False))
+    """)
+    pid = trainer.armed()
+    trainer.death()
+    assert wait_until(lambda: gone(pid), 6.0)
+    flushed = Counter(request.instance_id for request in stub.requests)
+    assert flushed == dict.fromkeys(IDS, 2)  # the hook's, then the watchdog's: wd-b failed at exit
+
+
+def test_a_forked_child_does_not_hide_the_death(stub: AgentServerStub) -> None:
+    trainer = Trainer(stub, """
+        guard = watchdog(args, until_idle=False)
+        armed(guard)
+        child = os.fork()
+        if child == 0:  # a data loader, say: lives on after the trainer is killed
+            print("CHILD", os.getpid(), guard.armed, len(sys.modules["swe_flush_sync._watchdog"]._armed), flush=True)
+            time.sleep(60)
+            os._exit(0)
+        time.sleep(60)
+    """)
+    trainer.armed()
+    child = trainer.read("CHILD")
+    child_pid = int(child[1])
+    try:
+        assert child[2:] == ["False", "0"]  # the child closed its copy and has no watchdog
+        trainer.proc.kill()
+        trainer.death()
+        assert not gone(child_pid)
+        assert wait_until(lambda: len(stub.requests) >= len(IDS), 1.0)
+        assert Counter(stub.flushed_ids()) == dict.fromkeys(IDS, 1)
+    finally:
+        os.kill(child_pid, signal.SIGKILL)
+
+
+def test_nothing_is_left_running_on_a_server_with_slots(stub_factory: Callable[..., AgentServerStub]) -> None:
+    server = stub_factory(secret=SECRET, teardown=0.05, max_concurrent=4)
+    server.add_trials("wd-a", 7)
+    server.add_trials("wd-b", 5)
+    assert server.waiting() == 8
+    trainer = Trainer(server, """
+        armed(watchdog(args, deadline=10))  # until_idle by default
+        time.sleep(60)
+    """)
+    trainer.armed()
+    trainer.proc.kill()
+    died = trainer.death()
+    err = trainer.stderr_after_watchdog(11 - (time.monotonic() - died))
+    assert [server.trials(i) for i in IDS] == [0, 0, 0] and server.waiting() == 0
+    assert "12 trials cancelled" in err and "3/3 idle" in err
+
+
+def test_scoped_bearers_and_a_broken_stderr(stub_factory: Callable[..., AgentServerStub]) -> None:
+    master = "m" * 40
+    server = stub_factory(scoped_secret=master)
+    trainer = Trainer(server, """
+        armed(watchdog(args, until_idle=False))
+        time.sleep(60)
+    """, HARBOR_ADMIN_SECRET="", HARBOR_RUN_SECRET=master)
+    pid = trainer.armed()
+    assert trainer.proc.stderr is not None
+    trainer.proc.stderr.close()  # nobody reads the trainer's stderr any more: the summary line is lost
+    trainer.proc.kill()
+    trainer.death()
+    assert wait_until(lambda: gone(pid), 6.0)
+    assert sorted(server.flushed_ids()) == list(IDS)
+    assert all(request.status == 200 for request in server.requests)  # each with its own scoped bearer
+
+
+# In this process: arm, inspect and disarm (never left armed: this process's end would trigger it).
+
+@pytest.fixture
+def args() -> argparse.Namespace:
+    return argparse.Namespace(session_server_instance_ids={1: "wd-a"}, session_server_instance_id=None)
+
+
+@pytest.fixture
+def arm(stub: AgentServerStub) -> Iterator[Callable[..., Watchdog]]:
+    guards: list[Watchdog] = []
+
+    def make(args: object, **options: object) -> Watchdog:
+        guard = watchdog(args, environ={"AGENT_SERVER_URL": stub.url, "HARBOR_ADMIN_SECRET": SECRET},
+                         **options)  # type: ignore[arg-type]
+        guards.append(guard)
+        _watchdog_pids.append(guard.pid)
+        return guard
+
+    yield make
+    for guard in guards:
+        guard.disarm()
+
+
+def test_same_args_same_watchdog(arm: Callable[..., Watchdog], args: argparse.Namespace) -> None:
+    first = arm(args)
+    assert arm(args) is first and first.armed and "ledger=None" in repr(first)
+    other = arm(argparse.Namespace(**vars(args)))
+    assert other is not first and other.pid != first.pid
+    first.disarm()
+    assert not first.armed
+    again = arm(args)
+    assert again is not first and again.armed
+
+
+def test_a_killed_watchdog_is_noticed(arm: Callable[..., Watchdog], args: argparse.Namespace,
+                                      caplog: pytest.LogCaptureFixture) -> None:
+    from swe_flush_sync import abort
+
+    guard = arm(args)
+    os.kill(guard.pid, signal.SIGKILL)
+    assert wait_until(lambda: not guard.armed, 2.0)
+    args.session_server_instance_id = "wd-new"
+    with caplog.at_level("WARNING", logger="swe_flush_sync"):
+        abort(args, environ={}, deadline=1)
+    assert f"the watchdog process (pid {guard.pid}) has ended" in caplog.text
+    assert not guard.refresh()
+    assert arm(args) is not guard  # a new one is armed
+
+
+def test_fork_in_this_process(arm: Callable[..., Watchdog], args: argparse.Namespace,
+                              stub: AgentServerStub) -> None:
+    guard = arm(args)
+    child = os.fork()
+    if child == 0:
+        os._exit(0 if not guard.armed and not guard.refresh() else 1)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    time.sleep(0.3)
+    assert guard.armed and stub.requests == []  # the child's exit is not the trainer's death
+
+
+@pytest.mark.parametrize(("options", "environ", "message"), [
+    ({}, {}, "no agent server configured"),
+    ({"deadline": 0}, None, "deadline"),
+    ({"ledger": ""}, None, "ledger"),
+])
+def test_bad_configuration(args: argparse.Namespace, stub: AgentServerStub, options: dict[str, object],
+                           environ: dict[str, str] | None, message: str) -> None:
+    env = {"AGENT_SERVER_URL": stub.url} if environ is None else environ
+    with pytest.raises(ConfigError, match=message):
+        watchdog(args, environ=env, **options)  # type: ignore[arg-type]
+
+
+def test_misspelt_option_is_a_type_error(args: argparse.Namespace) -> None:
+    with pytest.raises(TypeError):
+        watchdog(args, linger=0)  # type: ignore[call-arg]  # linger does not apply to a watchdog
