@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEPS := setup.cfg setup.py pyproject.toml
 
-.PHONY: demo test lint matrix sdist-test bench bench-quick clean
+.PHONY: demo test lint matrix ray-deps sdist-test bench bench-quick clean
 # The bin folders of every installed pyenv Python 3.10-3.13, put first on PATH for tox.
 PYENV_BINS := $(shell for v in $$(pyenv versions --bare 2>/dev/null | grep -E '^3\.1[0-3]\.[0-9]+$$'); do printf '%s:' "$$(pyenv prefix $$v)/bin"; done)
 
@@ -32,6 +32,13 @@ lint: $(VENV)/.installed-lint
 	$(BIN)/ruff check swe_flush_sync tests benchmarks
 	$(BIN)/mypy --strict swe_flush_sync
 	test "$$($(BIN)/mypy --strict tests/typecheck/misspelt_options.py | grep -c 'Unexpected keyword argument')" = 4
+
+# Ray, for the one test that runs a watchdog in a Ray actor (skipped without it).
+$(VENV)/.installed-ray: $(VENV)/.installed
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,contract,ray]'
+	touch $@
+
+ray-deps: $(VENV)/.installed-ray
 
 $(VENV)/.installed-matrix: $(VENV)/.installed
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,contract,matrix]'

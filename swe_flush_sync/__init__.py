@@ -8,7 +8,8 @@ training script::
 
 See ``Flusher`` for a reusable flusher, ``flush`` for a one-shot call, and
 ``flush_on_signal`` / ``flush_at_exit`` / ``abort_async`` for the lifecycle hooks, and
-``watchdog`` for a process that flushes when the trainer dies without running any Python.
+``watchdog`` for a process that flushes when the trainer dies without running any Python, and
+``recover`` for the ids of trainers lost with their pod or node.
 """
 
 import logging
@@ -16,6 +17,7 @@ import logging
 from ._auth import BearerProvider, ScopedBearer, StaticBearer
 from ._errors import ConfigError, FlushError, FlushFailed
 from ._flusher import Flusher, flush
+from ._ledger import recover
 from ._lifecycle import ExitHook, SignalHook, abort, abort_async, flush_at_exit, flush_on_signal
 from ._options import DEFAULT_DEADLINE, FlushOptions
 from ._report import FlushReport, FlushResult
@@ -43,6 +45,7 @@ __all__ = [
     "flush",
     "flush_at_exit",
     "flush_on_signal",
+    "recover",
     "resolve_bearer",
     "resolve_instance_ids",
     "resolve_server_urls",

@@ -10,6 +10,7 @@ read only from the environment or ``--secret-file``, never from a flag value (it
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -19,13 +20,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn, TextIO
 
 from . import __version__
 from ._auth import StaticBearer
 from ._errors import ConfigError, FlushError
 from ._flusher import Flusher
+from ._ledger import recover
 from ._lifecycle import abort
 from ._options import DEFAULT_DEADLINE
 from ._report import FlushReport
@@ -49,6 +51,7 @@ EXIT_USAGE = 2
 USAGE = """swe-flush [--url URL]... [--id ID]... [--ids-json PATH|-] [--secret-file PATH]
                  [--deadline S] [--workers N] [--retries N] [--until-idle] [--json] [-q | -v]
        swe-flush demo [--instances N] [--teardown S] [--max-concurrent N] [--until-idle] [--watchdog] [--json]
+       swe-flush recover DIR [--secret-file PATH] [--deadline S] [--workers N] [--retries N] [--json] [-q | -v]
        swe-flush stub [--host H] [--port P] [--teardown S] [--max-concurrent N] [--secret-env VAR]"""
 EXIT_INTERRUPTED = 130
 _OPTION_FLAGS = {"max_workers": "--workers", "deadline": "--deadline", "retries": "--retries"}
@@ -136,6 +139,23 @@ def _add_max_concurrent(parser: _Parser) -> None:
                         help="stub server: trials running at once; more runs wait for a slot (default: no limit)")
 
 
+def _recover_parser() -> _Parser:
+    parser = _Parser(prog="swe-flush recover", allow_abbrev=False,
+                     description="Flush the ids of every trainer in a watchdog ledger whose owner is gone "
+                                 "(until idle), and remove the records that flushed.")
+    parser.add_argument("ledger", metavar="DIR", help="the ledger directory (the watchdog's ledger option)")
+    parser.add_argument("--secret-file", metavar="PATH", help="read the bearer secret from this file")
+    parser.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE, metavar="S",
+                        help=f"seconds the whole flush may take (default {DEFAULT_DEADLINE:g})")
+    parser.add_argument("--workers", type=int, default=None, metavar="N", help="requests in flight at once")
+    parser.add_argument("--retries", type=int, default=3, metavar="N", help="retries per target (default 3)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("-q", "--quiet", action="store_true", help="print only the summary line")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="log to stderr (-v: INFO, -vv: DEBUG)")
+    return parser
+
+
 def _stub_parser() -> _Parser:
     parser = _Parser(prog="swe-flush stub", allow_abbrev=False,
                      description="Serve the stub agent server in the foreground until Ctrl-C; "
@@ -153,13 +173,15 @@ def _stub_parser() -> _Parser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``swe-flush`` with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = argv[0] if argv and argv[0] in ("demo", "stub") else None
+    command = argv[0] if argv and argv[0] in ("demo", "stub", "recover") else None
     as_json = "--json" in argv
     try:
         if command == "demo":
             return _run_demo(_demo_parser().parse_args_naming_unknown(argv[1:]))
         if command == "stub":
             return _run_stub(_stub_parser().parse_args_naming_unknown(argv[1:]))
+        if command == "recover":
+            return _run_recover(_recover_parser().parse_args_naming_unknown(argv[1:]))
         return _run_flush(_flush_parser().parse_args_naming_unknown(argv))
     except (_UsageError, FlushError) as exc:
         message = _name_flags(str(exc))
@@ -184,24 +206,50 @@ def _run_flush(ns: argparse.Namespace) -> int:
     if ns.secret_flag is not None:
         raise ConfigError("the secret is never taken as a flag value (it would show in ps): "
                           "set HARBOR_ADMIN_SECRET or pass --secret-file PATH")
-    if ns.verbose:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        logger = logging.getLogger("swe_flush_sync")
-        logger.addHandler(handler)
-        logger.setLevel(logging.DEBUG if ns.verbose > 1 else logging.INFO)
     urls = normalize_server_urls(ns.url, "--url") if ns.url else resolve_server_urls()
     if not urls:
         raise ConfigError("no agent server URL: pass --url or set AGENT_SERVER_URL")
     bearer = StaticBearer(_read_secret_file(ns.secret_file), source="--secret-file") if ns.secret_file \
         else resolve_bearer()
     ids = normalize_instance_ids([*ns.ids, *(_read_ids_json(ns.ids_json) if ns.ids_json else ())])
-    with Flusher(urls, bearer=bearer, deadline=ns.deadline, max_workers=ns.workers, retries=ns.retries,
-                 until_idle=ns.until_idle, linger=0) as flusher:
+    logging_context = _logging_to_stderr(_verbosity(ns.verbose)) if ns.verbose else contextlib.nullcontext()
+    with logging_context, Flusher(urls, bearer=bearer, deadline=ns.deadline, max_workers=ns.workers,
+                                  retries=ns.retries, until_idle=ns.until_idle, linger=0) as flusher:
         report, interrupted = _flush_interruptibly(flusher, ids)
     _print_report(report, ns.json, quiet=ns.quiet)
     if interrupted:
         return EXIT_INTERRUPTED
+    return EXIT_OK if report.ok else EXIT_FAILED
+
+
+@contextlib.contextmanager
+def _logging_to_stderr(level: int) -> Iterator[None]:
+    """The library's records at ``level`` and above on stderr, meanwhile."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("swe_flush_sync")
+    saved = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved)
+
+
+def _verbosity(verbose: int, default: int = logging.WARNING) -> int:
+    """The level for ``-v`` (INFO), ``-vv`` (DEBUG), else ``default``."""
+    return logging.DEBUG if verbose > 1 else logging.INFO if verbose else default
+
+
+def _run_recover(ns: argparse.Namespace) -> int:
+    bearer = StaticBearer(_read_secret_file(ns.secret_file), source="--secret-file") if ns.secret_file \
+        else resolve_bearer()
+    with _logging_to_stderr(_verbosity(ns.verbose)):  # a record moved aside is worth seeing, even without -v
+        report = recover(ns.ledger, bearer=bearer, deadline=ns.deadline, max_workers=ns.workers,
+                         retries=ns.retries)
+    _print_report(report, ns.json, quiet=ns.quiet)
     return EXIT_OK if report.ok else EXIT_FAILED
 
 

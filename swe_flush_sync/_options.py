@@ -131,10 +131,10 @@ class FlushOptions:
                 f"ledger={self.ledger!r})")
 
 
-class HookOptionKwargs(TypedDict, total=False):
-    """The keyword options of the signal and exit hooks: those of ``FlushOptions`` but ``linger``.
+class RecoverOptionKwargs(TypedDict, total=False):
+    """The keyword options of ``recover``: those of ``FlushOptions`` but ``linger`` and ``ledger``.
 
-    Each entry point takes them as ``**options: Unpack[...]``, so a misspelt one is a
+    Each entry point takes its set as ``**options: Unpack[...]``, so a misspelt one is a
     ``TypeError`` at the call and a mypy error; ``FlushOptions`` validates the values.
     Keep the keys equal to ``FlushOptions``' fields (a test pins them).
     """
@@ -147,6 +147,11 @@ class HookOptionKwargs(TypedDict, total=False):
     until_idle: bool
     admin_secret: str | None
     bearer: BearerProvider | None
+
+
+class HookOptionKwargs(RecoverOptionKwargs, total=False):
+    """The keyword options of the signal and exit hooks and ``watchdog``: all but ``linger``."""
+
     ledger: str | None
 
 

@@ -64,10 +64,11 @@ def process_start_time(pid: int) -> int | None:
         return None
 
 
-def record_file_name(host: str, pid: int, started: int | None) -> str:
-    """The ledger file of one trainer: host, pid and start time (unique on a host across pid reuse)."""
+def record_file_name(host: str, pid: int, started: int | None, watchdog_pid: int) -> str:
+    """The ledger file of one watchdog: its trainer's host, pid and start time (unique on a host
+    across pid reuse), and its own pid (a trainer may arm several)."""
     safe_host = "".join(ch if ch.isalnum() or ch in "-." else "_" for ch in host)[:64] or "host"
-    return f"{safe_host}.{pid}.{started or 0}{RECORD_SUFFIX}"
+    return f"{safe_host}.{pid}.{started or 0}.{watchdog_pid}{RECORD_SUFFIX}"
 
 
 def write_atomically(path: str, data: bytes) -> None:
@@ -93,7 +94,7 @@ def write_atomically(path: str, data: bytes) -> None:
         os.close(dir_fd)
 
 
-class _Ledger:
+class _RecordKeeper:
     """The trainer's record in the ledger directory, kept by the watchdog."""
 
     def __init__(self, folder: str, trainer_pid: int, heartbeat: float) -> None:
@@ -102,7 +103,7 @@ class _Ledger:
         self._started = process_start_time(trainer_pid)
         self._pid = trainer_pid
         self._boot = boot_id()
-        self.path = os.path.join(folder, record_file_name(self._host, trainer_pid, self._started))
+        self.path = os.path.join(folder, record_file_name(self._host, trainer_pid, self._started, os.getpid()))
         self._state: Mapping[str, Any] = {}
 
     def write(self, state: Mapping[str, Any] | None = None) -> None:
@@ -153,7 +154,7 @@ class _Watch:
     def __init__(self, trainer_pid: int, ready_fd: int) -> None:
         self.trainer_pid = trainer_pid
         self.state: dict[str, Any] | None = None
-        self.ledger: _Ledger | None = None
+        self.ledger: _RecordKeeper | None = None
         self._ready_fd: int | None = ready_fd
 
     def take(self, line: bytes) -> bool:
@@ -176,7 +177,7 @@ class _Watch:
     def _keep_record(self, state: dict[str, Any]) -> None:
         folder = state.get("ledger")
         if self.ledger is None and isinstance(folder, str):
-            self.ledger = _Ledger(folder, self.trainer_pid, float(state.get("heartbeat", 10.0)))
+            self.ledger = _RecordKeeper(folder, self.trainer_pid, float(state.get("heartbeat", 10.0)))
         if self.ledger is not None:
             try:
                 self.ledger.write(state)

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from swe_flush_sync import Flusher, FlushOptions, FlushReport, abort, abort_async, flush
-from swe_flush_sync._options import HookOptionKwargs, OptionKwargs
+from swe_flush_sync._options import HookOptionKwargs, OptionKwargs, RecoverOptionKwargs
 from swe_flush_sync._transport import Transport
 from swe_flush_sync.testing import AgentServerStub
 
@@ -170,6 +170,7 @@ def test_option_keywords_are_the_fields_of_flush_options() -> None:
     fields = {f.name for f in dataclasses.fields(FlushOptions)}
     assert OptionKwargs.__optional_keys__ == fields
     assert HookOptionKwargs.__optional_keys__ == fields - {"linger"}
+    assert RecoverOptionKwargs.__optional_keys__ == fields - {"linger", "ledger"}
 
 
 def test_abort_async_is_a_plain_coroutine_function_and_flush_ids_is_private() -> None:

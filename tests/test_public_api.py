@@ -6,7 +6,7 @@ from swe_flush_sync import ConfigError, FlushError, FlushFailed
 CONTRACT = {
     "resolve_instance_ids", "resolve_server_urls", "Flusher", "flush", "abort", "abort_async",
     "flush_on_signal", "flush_at_exit", "FlushReport", "FlushResult", "FlushError", "ConfigError", "FlushFailed",
-    "watchdog",
+    "watchdog", "recover",
 }
 
 

@@ -1,0 +1,288 @@
+"""The ledger and ``recover`` with real processes: trainers and watchdogs killed as a lost pod kills them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from swe_flush_sync import ConfigError, ScopedBearer, recover, watchdog
+from swe_flush_sync import _watchdog as watchdog_module
+from swe_flush_sync.testing import AgentServerStub
+
+from .conftest import PYTHON, SECRET, spawn, subprocess_env
+from .test_watchdog import IDS, Trainer, _watchdog_pids, gone, wait_until
+
+ENV = {"HARBOR_ADMIN_SECRET": SECRET}
+
+
+def records(folder: Path) -> list[Path]:
+    return sorted(path for path in folder.iterdir() if path.name.endswith(".json"))
+
+
+def write_record(folder: Path, name: str, ids: list[object], url: str, *, host: str = "elsewhere",
+                 heartbeat_age: float = 3600.0, pid: int = 1, start_time: int | None = 1) -> Path:
+    """A record as a watchdog on another machine would have left it (written here by hand)."""
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps({
+        "version": 1, "urls": [url], "ids": ids, "host": host, "pid": pid, "start_time": start_time,
+        "boot_id": "another-boot", "heartbeat": time.time() - heartbeat_age, "heartbeat_interval": 10.0}))
+    return path
+
+
+def test_a_lost_pod_is_recovered_once(stub: AgentServerStub, tmp_path: Path) -> None:
+    for instance_id in IDS:
+        stub.add_trials(instance_id, 2)
+    trainer = Trainer(stub, f"""
+        armed(watchdog(args, ledger={str(tmp_path)!r}))
+        time.sleep(60)
+    """)
+    pid = trainer.armed()
+    [record] = records(tmp_path)  # there once watchdog() returned
+    data = json.loads(record.read_text())
+    assert data["ids"] == list(IDS) and data["urls"] == [stub.url] and data["pid"] == trainer.proc.pid
+    assert SECRET not in record.read_text()
+    os.kill(pid, signal.SIGKILL)  # the pod is deleted: its watchdog dies first, or with the trainer
+    assert wait_until(lambda: gone(pid), 2.0)
+    trainer.proc.kill()
+    trainer.death()
+    time.sleep(0.3)
+    assert stub.requests == [] and [stub.trials(i) for i in IDS] == [2, 2, 2]  # nothing flushed them
+
+    report = recover(str(tmp_path), environ=ENV, until_idle=False)
+    assert report.ok and report.cancelled == 6 and sorted(r.instance_id for r in report.results) == sorted(IDS)
+    assert Counter(stub.flushed_ids()) == dict.fromkeys(IDS, 1)
+    assert records(tmp_path) == [] and list(tmp_path.iterdir()) == []
+
+    again = recover(str(tmp_path), environ=ENV)
+    assert again.ok and again.results == ()
+    assert len(stub.requests) == len(IDS)
+
+
+def test_recover_leaves_queued_runs_of_a_dead_trainer_nothing(stub_factory: Callable[..., AgentServerStub],
+                                                              tmp_path: Path) -> None:
+    server = stub_factory(secret=SECRET, teardown=0.05, max_concurrent=4)
+    server.add_trials("wd-a", 7)
+    server.add_trials("wd-b", 5)
+    assert server.waiting() == 8
+    trainer = Trainer(server, f"""
+        armed(watchdog(args, ledger={str(tmp_path)!r}))
+        time.sleep(60)
+    """)
+    pid = trainer.armed()
+    os.kill(pid, signal.SIGKILL)
+    trainer.proc.kill()
+    trainer.death()
+    report = recover(str(tmp_path), environ=ENV)  # until idle by default
+    assert report.ok and report.cancelled == 12 and all(result.idle for result in report.results)
+    assert [server.trials(i) for i in IDS] == [0, 0, 0] and server.waiting() == 0
+    assert records(tmp_path) == []
+
+
+def test_live_owners_are_left_alone(stub: AgentServerStub, tmp_path: Path) -> None:
+    trainer = Trainer(stub, f"""
+        armed(watchdog(args, ledger={str(tmp_path)!r}))
+        time.sleep(60)
+    """)
+    trainer.armed()
+    fresh = write_record(tmp_path, "fresh", ["far-fresh"], stub.url, heartbeat_age=5)
+    stale = write_record(tmp_path, "stale", ["far-stale"], stub.url, heartbeat_age=31)
+    report = recover(str(tmp_path), environ=ENV)
+    assert report.ok and stub.flushed_ids() == ["far-stale"]
+    assert fresh.exists() and not stale.exists() and len(records(tmp_path)) == 2  # the live trainer's and fresh
+    trainer.proc.kill()  # the trainer's watchdog flushes, and removes its record
+    trainer.death()
+    assert wait_until(lambda: len(records(tmp_path)) == 1, 3.0)
+    assert records(tmp_path) == [fresh]
+
+
+def test_a_dead_pid_on_this_host_is_gone(stub: AgentServerStub, tmp_path: Path) -> None:
+    dead = spawn([PYTHON, "-c", "pass"])
+    dead.wait()
+    with open("/proc/sys/kernel/random/boot_id") as handle:
+        boot = handle.read().strip()
+    record = write_record(tmp_path, "dead", ["dead-pid"], stub.url, host=socket.gethostname(), heartbeat_age=0,
+                          pid=dead.pid, start_time=123)
+    data = json.loads(record.read_text())
+    data["boot_id"] = boot
+    record.write_text(json.dumps(data))
+    mine = write_record(tmp_path, "mine", ["my-own"], stub.url, host=socket.gethostname(), heartbeat_age=0,
+                        pid=os.getpid(), start_time=_start_time(os.getpid()))
+    data = json.loads(mine.read_text())
+    data["boot_id"] = boot
+    mine.write_text(json.dumps(data))
+    report = recover(str(tmp_path), environ=ENV)
+    assert report.ok and stub.flushed_ids() == ["dead-pid"] and records(tmp_path) == [mine]
+
+
+def _start_time(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as handle:
+        return int(handle.read().rpartition(b")")[2].split()[19])
+
+
+def test_a_failed_watchdog_flush_keeps_the_record(stub_factory: Callable[..., AgentServerStub],
+                                                  tmp_path: Path) -> None:
+    server = stub_factory(secret=SECRET)
+    port = int(server.url.rpartition(":")[2])
+    trainer = Trainer(server, f"""
+        armed(watchdog(args, ledger={str(tmp_path)!r}, deadline=1, retries=0))
+        time.sleep(60)
+    """)
+    pid = trainer.armed()
+    server.stop()  # the agent server is down when the trainer dies
+    trainer.proc.kill()
+    trainer.death()
+    err = trainer.stderr_after_watchdog(3.0)
+    assert "0/3 targets" in err
+    assert len(records(tmp_path)) == 1  # kept for recover
+    del pid
+
+    back = stub_factory(secret=SECRET, port=port)
+    report = recover(str(tmp_path), environ=ENV)
+    assert report.ok and sorted(back.flushed_ids()) == sorted(IDS) and records(tmp_path) == []
+
+
+def test_a_recover_that_fails_gives_the_record_back(stub_factory: Callable[..., AgentServerStub],
+                                                   tmp_path: Path) -> None:
+    server = stub_factory(secret=SECRET)
+    write_record(tmp_path, "lost", ["lost-a", "lost-b"], server.url)
+    server.fault("lost-b", statuses=[503] * 10)
+    report = recover(str(tmp_path), environ=ENV, retries=0)
+    assert not report.ok and [path.name for path in records(tmp_path)] == ["lost.json"]
+    report = recover(str(tmp_path), environ=ENV, retries=0)
+    assert not report.ok
+    server.fault("lost-b", statuses=[])
+    report = recover(str(tmp_path), environ=ENV)
+    assert report.ok and records(tmp_path) == [] and list(tmp_path.iterdir()) == []
+
+
+def test_two_recovers_at_once_flush_each_record_once(stub: AgentServerStub, tmp_path: Path) -> None:
+    ids = [f"many-{index}" for index in range(40)]
+    for index in range(20):
+        write_record(tmp_path, f"r{index:02d}", ids[2 * index:2 * index + 2], stub.url)
+    env = subprocess_env(HARBOR_ADMIN_SECRET=SECRET)
+    command = [PYTHON, "-m", "swe_flush_sync", "recover", str(tmp_path), "--json"]
+    both = [spawn(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) for _ in range(2)]
+    outputs = [proc.communicate(timeout=60) for proc in both]
+    assert [proc.returncode for proc in both] == [0, 0], outputs
+    assert Counter(stub.flushed_ids()) == dict.fromkeys(ids, 1)
+    flushed = [len(json.loads(out)["results"]) for out, _ in outputs]
+    assert sum(flushed) == len(ids)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_records_are_moved_aside_and_the_rest_recovered(stub: AgentServerStub, tmp_path: Path,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    good = write_record(tmp_path, "good", ["fine"], stub.url)
+    (tmp_path / "corrupt.json").write_text('{"version": 1, "urls": [')
+    (tmp_path / "unreadable.json").mkdir()
+    write_record(tmp_path, "huge", ["x" * 5000], stub.url)
+    write_record(tmp_path, "number", [12345], stub.url)
+    write_record(tmp_path, "badurl", ["y"], "ftp://nope")
+    (tmp_path / "binary.json").write_bytes(b"\xff\xfe\x00garbage")
+    (tmp_path / "notes.txt").write_text("not a record: ignored")
+    with caplog.at_level("WARNING", logger="swe_flush_sync"):
+        report = recover(str(tmp_path), environ=ENV)
+    assert report.ok and stub.flushed_ids() == ["fine"] and not good.exists()
+    bad = ["badurl", "binary", "corrupt", "huge", "number", "unreadable"]
+    warnings = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+    assert len(warnings) == len(bad)
+    for name in bad:
+        assert (tmp_path / f"{name}.json.bad").exists()
+        assert sum(f"{name}.json" in message for message in warnings) == 1
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted([f"{n}.json.bad" for n in bad] + ["notes.txt"])
+    assert "xxxxxxxxxx" not in caplog.text  # what a record holds is never echoed
+
+
+def test_no_file_in_the_ledger_holds_a_secret(stub_factory: Callable[..., AgentServerStub], tmp_path: Path) -> None:
+    master = "scoped-master-secret-" + "m" * 20
+    server = stub_factory(scoped_secret=master)
+    trainer = Trainer(server, f"""
+        guard = watchdog(args, ledger={str(tmp_path)!r})
+        armed(guard)
+        args.session_server_instance_ids = {{8003: "wd-d"}}
+        guard.refresh()
+        print("REFRESHED", flush=True)
+        time.sleep(60)
+    """, HARBOR_ADMIN_SECRET="", HARBOR_RUN_SECRET=master)
+    trainer.armed()
+    trainer.read("REFRESHED")
+    bearer = ScopedBearer(master)
+    assert wait_until(lambda: "wd-d" in records(tmp_path)[0].read_text(), 2.0)  # updated when the ids change
+    for path in tmp_path.iterdir():
+        text = path.read_text()
+        assert master not in text and not any(bearer(i) in text for i in ["wd-a", "wd-b", "wd-c", "wd-d"])
+    assert oct(tmp_path.stat().st_mode & 0o777) and oct(records(tmp_path)[0].stat().st_mode & 0o777) == "0o600"
+
+
+@pytest.fixture
+def in_process_watchdogs() -> Iterator[list[object]]:
+    guards: list[object] = []
+    yield guards
+    for guard in guards:
+        guard.disarm()  # type: ignore[attr-defined]
+
+
+def test_heartbeat_and_disarm(stub: AgentServerStub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                              in_process_watchdogs: list[object]) -> None:
+    monkeypatch.setattr(watchdog_module, "DEFAULT_HEARTBEAT", 0.2)
+    args = argparse.Namespace(session_server_instance_ids={1: "hb-a"})
+    guard = watchdog(args, environ={"AGENT_SERVER_URL": stub.url}, ledger=str(tmp_path / "new" / "ledger"))
+    in_process_watchdogs.append(guard)
+    _watchdog_pids.append(guard.pid)
+    [record] = records(tmp_path / "new" / "ledger")  # the directory is made
+    first = json.loads(record.read_text())["heartbeat"]
+    assert wait_until(lambda: json.loads(record.read_text())["heartbeat"] > first, 2.0)
+    guard.disarm()
+    assert wait_until(lambda: not record.exists(), 1.0) and wait_until(lambda: gone(guard.pid), 1.0)
+    assert stub.requests == []
+
+
+def test_the_environment_names_the_ledger(stub: AgentServerStub, tmp_path: Path,
+                                          in_process_watchdogs: list[object]) -> None:
+    args = argparse.Namespace(session_server_instance_ids={1: "env-a"})
+    guard = watchdog(args, environ={"AGENT_SERVER_URL": stub.url, "SWE_FLUSH_LEDGER": str(tmp_path)})
+    in_process_watchdogs.append(guard)
+    _watchdog_pids.append(guard.pid)
+    assert guard.ledger == str(tmp_path) and len(records(tmp_path)) == 1
+
+
+def test_nothing_to_do_and_bad_arguments(tmp_path: Path) -> None:
+    assert recover(str(tmp_path / "missing")).results == ()
+    assert recover(str(tmp_path)).results == ()
+    for bad in ("", 42, None):
+        with pytest.raises(ConfigError, match="ledger"):
+            recover(bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="deadline"):
+        recover(str(tmp_path), deadline=-1)
+    with pytest.raises(TypeError):
+        recover(str(tmp_path), linger=1)  # type: ignore[call-arg]
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match="ledger: cannot create"):
+        watchdog(argparse.Namespace(session_server_instance_id="x"), environ={"AGENT_SERVER_URL": "http://h:1"},
+                 ledger=str(blocker / "sub"))
+
+
+def test_cli_recover(stub: AgentServerStub, tmp_path: Path) -> None:
+    write_record(tmp_path, "cli", ["cli-a", "cli-b"], stub.url)
+    env = subprocess_env(HARBOR_ADMIN_SECRET=SECRET)
+    ok = subprocess.run([PYTHON, "-m", "swe_flush_sync", "recover", str(tmp_path), "--json"], capture_output=True,
+                        text=True, env=env, timeout=60)
+    assert ok.returncode == 0 and json.loads(ok.stdout)["ok"] and sorted(stub.flushed_ids()) == ["cli-a", "cli-b"]
+    write_record(tmp_path, "down", ["down-a"], "http://127.0.0.1:9")
+    failed = subprocess.run([PYTHON, "-m", "swe_flush_sync", "recover", str(tmp_path), "--deadline", "1",
+                             "--retries", "0"], capture_output=True, text=True, env=env, timeout=60)
+    assert failed.returncode == 1 and "0/1 targets" in failed.stdout
+    usage = subprocess.run([PYTHON, "-m", "swe_flush_sync", "recover"], capture_output=True, text=True, env=env,
+                           timeout=60)
+    assert usage.returncode == 2 and "Traceback" not in usage.stderr
