@@ -49,12 +49,15 @@ EXIT_USAGE = 2
 
 
 USAGE = """swe-flush [--url URL]... [--id ID]... [--ids-json PATH|-] [--secret-file PATH]
+                 [--ca-bundle PATH] [--client-cert PATH [--client-key PATH]]
                  [--deadline S] [--workers N] [--retries N] [--until-idle] [--json] [-q | -v]
        swe-flush demo [--instances N] [--teardown S] [--max-concurrent N] [--until-idle] [--watchdog] [--json]
-       swe-flush recover DIR [--secret-file PATH] [--deadline S] [--workers N] [--retries N] [--json] [-q | -v]
+       swe-flush recover DIR [--secret-file PATH] [--ca-bundle PATH] [--client-cert PATH] [--deadline S]
+                              [--workers N] [--retries N] [--json] [-q | -v]
        swe-flush stub [--host H] [--port P] [--teardown S] [--max-concurrent N] [--secret-env VAR]"""
 EXIT_INTERRUPTED = 130
-_OPTION_FLAGS = {"max_workers": "--workers", "deadline": "--deadline", "retries": "--retries"}
+_OPTION_FLAGS = {"max_workers": "--workers", "deadline": "--deadline", "retries": "--retries",
+                 "ca_bundle": "--ca-bundle", "client_cert's key": "--client-key", "client_cert": "--client-cert"}
 
 
 class _UsageError(Exception):
@@ -97,6 +100,7 @@ def _flush_parser() -> _Parser:
                         help="JSON file (or - for stdin): a list of ids, a port->id object, or an object "
                              f"holding {PLURAL_ATTR} / {SINGULAR_ATTR}")
     parser.add_argument("--secret-file", metavar="PATH", help="read the bearer secret from this file")
+    _add_tls(parser)
     # Refused on purpose, without echoing the value: a flag value shows in `ps`.
     parser.add_argument("--secret", "--admin-secret", "--token", dest="secret_flag", nargs="?", const="",
                         help=argparse.SUPPRESS)
@@ -145,6 +149,7 @@ def _recover_parser() -> _Parser:
                                  "(until idle), and remove the records that flushed.")
     parser.add_argument("ledger", metavar="DIR", help="the ledger directory (the watchdog's ledger option)")
     parser.add_argument("--secret-file", metavar="PATH", help="read the bearer secret from this file")
+    _add_tls(parser)
     parser.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE, metavar="S",
                         help=f"seconds the whole flush may take (default {DEFAULT_DEADLINE:g})")
     parser.add_argument("--workers", type=int, default=None, metavar="N", help="requests in flight at once")
@@ -154,6 +159,22 @@ def _recover_parser() -> _Parser:
     parser.add_argument("-v", "--verbose", action="count", default=0,
                         help="log to stderr (-v: INFO, -vv: DEBUG)")
     return parser
+
+
+def _add_tls(parser: _Parser) -> None:
+    parser.add_argument("--ca-bundle", metavar="PATH",
+                        help="CA certificates for https servers: a PEM file or a directory (default: "
+                             "REQUESTS_CA_BUNDLE, CURL_CA_BUNDLE or SSL_CERT_FILE, then the system store)")
+    parser.add_argument("--client-cert", metavar="PATH",
+                        help="client certificate (PEM, with its key unless --client-key is given)")
+    parser.add_argument("--client-key", metavar="PATH", help="the client certificate's key (PEM)")
+
+
+def _tls_options(ns: argparse.Namespace) -> dict[str, Any]:
+    if ns.client_key and not ns.client_cert:
+        raise ConfigError("--client-key needs --client-cert")
+    client_cert = (ns.client_cert, ns.client_key) if ns.client_key else ns.client_cert
+    return {"ca_bundle": ns.ca_bundle, "client_cert": client_cert}
 
 
 def _stub_parser() -> _Parser:
@@ -197,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _name_flags(message: str) -> str:
     """A ``FlushOptions`` message, with the option named by its CLI flag."""
     for option, flag in _OPTION_FLAGS.items():
-        if message.startswith(option + " "):
+        if message.startswith((option + " ", option + ":")):
             return flag + message[len(option):]
     return message
 
@@ -214,7 +235,8 @@ def _run_flush(ns: argparse.Namespace) -> int:
     ids = normalize_instance_ids([*ns.ids, *(_read_ids_json(ns.ids_json) if ns.ids_json else ())])
     logging_context = _logging_to_stderr(_verbosity(ns.verbose)) if ns.verbose else contextlib.nullcontext()
     with logging_context, Flusher(urls, bearer=bearer, deadline=ns.deadline, max_workers=ns.workers,
-                                  retries=ns.retries, until_idle=ns.until_idle, linger=0) as flusher:
+                                  retries=ns.retries, until_idle=ns.until_idle, linger=0,
+                                  **_tls_options(ns)) as flusher:
         report, interrupted = _flush_interruptibly(flusher, ids)
     _print_report(report, ns.json, quiet=ns.quiet)
     if interrupted:
@@ -248,7 +270,7 @@ def _run_recover(ns: argparse.Namespace) -> int:
         else resolve_bearer()
     with _logging_to_stderr(_verbosity(ns.verbose)):  # a record moved aside is worth seeing, even without -v
         report = recover(ns.ledger, bearer=bearer, deadline=ns.deadline, max_workers=ns.workers,
-                         retries=ns.retries)
+                         retries=ns.retries, **_tls_options(ns))
     _print_report(report, ns.json, quiet=ns.quiet)
     return EXIT_OK if report.ok else EXIT_FAILED
 

@@ -8,6 +8,7 @@ from typing import Final, TypedDict
 
 from ._auth import BearerProvider, ScopedBearer, StaticBearer
 from ._errors import ConfigError
+from ._tls import check_client_cert, check_path
 
 DEFAULT_DEADLINE: Final = 10.0
 DEFAULT_RETRIES: Final = 3
@@ -64,6 +65,11 @@ class FlushOptions:
         admin_secret: a static bearer secret; shorthand for ``bearer=StaticBearer(secret)``.
         bearer: a bearer provider (instance id -> token), e.g. ``ScopedBearer``; at most one
             of ``admin_secret`` and ``bearer``. Neither: no ``Authorization`` header.
+        ca_bundle: the CA certificates that https servers are verified against: a PEM file or a
+            directory of them (default: ``REQUESTS_CA_BUNDLE``, ``CURL_CA_BUNDLE`` or
+            ``SSL_CERT_FILE``, then the system store). Verification is never turned off.
+        client_cert: a client certificate for servers that require one: a PEM holding the
+            certificate and its unencrypted key, or a (certificate, key) pair of paths.
         ledger: a directory where a ``watchdog`` keeps a record of the trainer's servers and
             ids for ``recover()`` after a lost pod or node (default: ``SWE_FLUSH_LEDGER``).
             Accepted by every entry point, so one set of options covers a trainer; only the
@@ -82,6 +88,8 @@ class FlushOptions:
     until_idle: bool = False
     admin_secret: str | None = None
     bearer: BearerProvider | None = None
+    ca_bundle: str | None = None
+    client_cert: str | tuple[str, str] | None = None
     ledger: str | None = None
 
     def __post_init__(self) -> None:
@@ -107,6 +115,9 @@ class FlushOptions:
             StaticBearer(self.admin_secret)  # validates it without ever showing it
         if self.bearer is not None and not callable(self.bearer):
             raise ConfigError(f"bearer must be a callable instance_id -> token, not {type(self.bearer).__name__}")
+        if self.ca_bundle is not None:
+            check_path(self.ca_bundle, "ca_bundle", directory_ok=True)
+        object.__setattr__(self, "client_cert", check_client_cert(self.client_cert))
         if self.ledger is not None and (not isinstance(self.ledger, str) or not self.ledger.strip()
                                         or "\0" in self.ledger):
             raise ConfigError("ledger must be a directory path (a non-empty str)")
@@ -128,7 +139,7 @@ class FlushOptions:
         return (f"FlushOptions(deadline={self.deadline:g}, retries={self.retries}, max_workers={self.max_workers}, "
                 f"connect_timeout={self.connect_timeout:g}, backoff_factor={self.backoff_factor:g}, "
                 f"linger={self.linger:g}, until_idle={self.until_idle}, admin_secret={secret}, bearer={bearer}, "
-                f"ledger={self.ledger!r})")
+                f"ca_bundle={self.ca_bundle!r}, client_cert={self.client_cert!r}, ledger={self.ledger!r})")
 
 
 class RecoverOptionKwargs(TypedDict, total=False):
@@ -147,6 +158,8 @@ class RecoverOptionKwargs(TypedDict, total=False):
     until_idle: bool
     admin_secret: str | None
     bearer: BearerProvider | None
+    ca_bundle: str | None
+    client_cert: str | tuple[str, str] | None
 
 
 class HookOptionKwargs(RecoverOptionKwargs, total=False):

@@ -12,6 +12,7 @@ import hmac
 import json
 import secrets
 import socket
+import ssl
 import threading
 import time
 from collections import deque
@@ -62,9 +63,11 @@ class _Server(ThreadingHTTPServer):
     allow_reuse_address = True
     request_queue_size = 128  # the default 5 resets connections under a burst of connects
 
-    def __init__(self, stub: AgentServerStub, address: tuple[str, int]) -> None:
+    def __init__(self, stub: AgentServerStub, address: tuple[str, int], tls: ssl.SSLContext | None) -> None:
         self.stub = stub
         super().__init__(address, _Handler)
+        if tls is not None:  # the handshake runs on the first read, in the connection's own thread
+            self.socket = tls.wrap_socket(self.socket, server_side=True, do_handshake_on_connect=False)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         self.stub._accepted(request)
@@ -134,6 +137,9 @@ class AgentServerStub:
             (hex HMAC-SHA256 of ``miles-harbor-flush-session-v1\\x00session:<id>``), as newer
             deployments require; takes precedence over ``secret``.
         max_concurrent: trials running at once (the bridge's ``AGENT_MAX_CONCURRENT``); None: no limit.
+        tls: a server-side ``ssl.SSLContext`` (its certificate loaded; ``verify_mode`` set to require
+            a client certificate if wanted): serve https instead of http.
+        ca_bundle: the CA file that trusts the stub's certificate, kept for its clients (not read).
 
     Example:
         >>> with AgentServerStub(secret="s3cret", teardown=0.1) as stub:  # doctest: +SKIP
@@ -143,8 +149,11 @@ class AgentServerStub:
     """
 
     def __init__(self, *, secret: str | None = None, teardown: float = 0.0, host: str = "127.0.0.1",
-                 scoped_secret: str | None = None, port: int = 0, max_concurrent: int | None = None) -> None:
+                 scoped_secret: str | None = None, port: int = 0, max_concurrent: int | None = None,
+                 tls: ssl.SSLContext | None = None, ca_bundle: str | None = None) -> None:
         self.secret = secret
+        self.tls = tls
+        self.ca_bundle = ca_bundle
         self._port = port
         self.scoped_secret = scoped_secret
         self.teardown = teardown
@@ -166,7 +175,7 @@ class AgentServerStub:
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> AgentServerStub:
         """Bind the port (a free one by default) and serve in a background thread."""
-        self._server = _Server(self, (self._host, self._port))
+        self._server = _Server(self, (self._host, self._port), self.tls)
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
                                         name="agent-server-stub", daemon=True)
         self._thread.start()
@@ -194,11 +203,11 @@ class AgentServerStub:
 
     @property
     def url(self) -> str:
-        """``http://127.0.0.1:<port>``."""
+        """``http://127.0.0.1:<port>`` (``https://`` with ``tls``)."""
         if self._server is None:
             raise RuntimeError("the stub is not started")
         host, port = self._server.server_address[:2]
-        return f"http://{host.decode() if isinstance(host, bytes) else host}:{port}"
+        return f"{'https' if self.tls else 'http'}://{host.decode() if isinstance(host, bytes) else host}:{port}"
 
     # -- scripting ---------------------------------------------------------------------------
     def add_trials(self, instance_id: str, count: int = 1) -> None:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import os
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Mapping
@@ -40,6 +40,7 @@ from urllib3.util.retry import Retry
 from urllib3.util.timeout import Timeout
 
 from ._report import FlushResult
+from ._tls import ssl_context, tls_failure
 from ._version import __version__
 
 if TYPE_CHECKING:
@@ -79,6 +80,7 @@ class CancelToken:
         self.stop_reason: str | None = None  # why retrying stopped early
         self.next_wait = 0.0
         self._connections: list[HTTPConnection] = []
+        self._handshakes: list[socket.socket] = []  # sockets in a TLS handshake (no connection holds them yet)
 
     def time_left(self) -> float:
         """Seconds until the request must end."""
@@ -92,7 +94,13 @@ class CancelToken:
         """Note a connection the request uses (``cancel`` shuts its socket down)."""
         self._connections.append(connection)
         if self.cancelled.is_set():
-            _shut(connection)
+            _shut(connection.sock)
+
+    def track_handshake(self, sock: socket.socket) -> None:
+        """Note a socket about to start its TLS handshake (``cancel`` shuts it down)."""
+        self._handshakes.append(sock)
+        if self.cancelled.is_set():
+            _shut(sock)
 
     def cancel(self, reason: str = "given up") -> None:
         """Give the request up now (no more retries or waits, sockets shut down); the first reason stays."""
@@ -100,16 +108,16 @@ class CancelToken:
             self.reason = reason
         self.deadline_at = self.linger_until = -1.0
         self.cancelled.set()
-        for connection in list(self._connections):
-            _shut(connection)
+        for sock in [connection.sock for connection in self._connections] + self._handshakes:
+            _shut(sock)
 
     def finish(self) -> None:
         """Forget its connections: they are back in the pool, or closed."""
         self._connections = []
+        self._handshakes = []
 
 
-def _shut(connection: HTTPConnection) -> None:
-    sock = connection.sock
+def _shut(sock: socket.socket | None) -> None:
     if sock is not None:
         with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_RDWR)
@@ -148,6 +156,8 @@ class _DeadlineRetry(Retry):
         _pool: ConnectionPool | None = None,
         _stacktrace: TracebackType | None = None,
     ) -> Self:
+        if tls_failure(error) is not None:  # a certificate or TLS protocol failure: no retry changes it
+            raise MaxRetryError(_pool, url or "", error)  # type: ignore[arg-type]
         new_retry = super().increment(method, url, response, error, _pool, _stacktrace)  # exhausted: raises
         token = _local.token
         if token is None:
@@ -199,12 +209,20 @@ def _track(connection: object) -> None:
         token.track(connection)  # type: ignore[arg-type]
 
 
+def _track_handshake(sock: socket.socket) -> None:
+    token = _local.token
+    if token is not None:
+        token.track_handshake(sock)
+
+
 class _TrackedHTTPConnection(_TrackedConnectionMixin, HTTPConnection):
     pass
 
 
 class _TrackedHTTPSConnection(_TrackedConnectionMixin, HTTPSConnection):
-    pass
+    def request(self, *args: Any, **kwargs: Any) -> None:
+        with contextlib.suppress(ssl.SSLEOFError):  # TLS 1.3 tells a refused client certificate on the read
+            super().request(*args, **kwargs)
 
 
 class _TrackedHTTPPool(HTTPConnectionPool):
@@ -217,12 +235,23 @@ class _TrackedHTTPSPool(HTTPSConnectionPool):
 
 class _FlushAdapter(requests.adapters.HTTPAdapter):
     """requests' ``HTTPAdapter``, extended at the hooks it documents for subclasses: pools with the
-    tracked connection classes, the request path (a flush never goes through a proxy), and a
-    response of what a flush reads: status, reason, raw body (no header dict, no cookie jar)."""
+    tracked connection classes and our TLS context (its trust store, never one requests looks up per
+    request), the request path (a flush never goes through a proxy), and a response of what a
+    flush reads: status, reason, raw body (no header dict, no cookie jar)."""
+
+    def __init__(self, tls: ssl.SSLContext | None, **kwargs: Any) -> None:
+        self._tls = tls
+        super().__init__(**kwargs)
 
     def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
+        if self._tls is not None:
+            kwargs["ssl_context"] = self._tls
         super().init_poolmanager(*args, **kwargs)
         self.poolmanager.pool_classes_by_scheme = {"http": _TrackedHTTPPool, "https": _TrackedHTTPSPool}
+
+    def cert_verify(self, conn: Any, url: str, verify: Any, cert: Any) -> None:
+        if url.lower().startswith("https"):
+            conn.cert_reqs, conn.ca_certs, conn.ca_cert_dir = "CERT_REQUIRED", None, None  # trust: the context
 
     def request_url(self, request: requests.PreparedRequest, proxies: Mapping[str, str] | None) -> str:
         return request.path_url
@@ -256,8 +285,9 @@ class Transport:
         session.trust_env = False
         # No gzip (the body is never decoded), no Accept, no Connection (HTTP/1.1 keeps alive).
         session.headers = requests.structures.CaseInsensitiveDict({"User-Agent": USER_AGENT})
-        self._ca_bundle: bool | str = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
-        self._adapter = _FlushAdapter(pool_connections=max(len(server_urls), 1), pool_maxsize=options.workers,
+        tls = ssl_context(options.ca_bundle, options.client_cert, _track_handshake) if any(
+            url.startswith("https:") for url in server_urls) else None
+        self._adapter = _FlushAdapter(tls, pool_connections=max(len(server_urls), 1), pool_maxsize=options.workers,
                                       max_retries=build_retry(options.retries, options.backoff_factor))
         session.mount("http://", self._adapter)
         session.mount("https://", self._adapter)
@@ -292,8 +322,7 @@ class Transport:
                 stream=True,  # so that a huge or trickling body is never read past its bounds
                 # requests passes a urllib3 Timeout through unchanged; its stubs do not say so
                 timeout=_DeadlineTimeout(self._connect_timeout, token),  # type: ignore[arg-type]
-                # a CA bundle only for https: requests looks its path up on every request it is given
-                verify=self._ca_bundle if server_url.startswith("https:") else True,
+                verify=True,  # always: the adapter's TLS context holds the trust store
                 proxies={},
             )
             status = response.status_code
@@ -379,7 +408,8 @@ def _describe_exception(exc: BaseException | None) -> str:
             else "could not connect"
     for kinds, message in _EXCEPTION_MESSAGES:
         if isinstance(reason, kinds):
-            return message
+            why = tls_failure(reason) if message == "TLS error" else None
+            return f"{message}: {why}" if why else message
     if isinstance(reason, (Urllib3HTTPError, requests.RequestException, OSError)):
         return f"request failed ({type(reason).__name__})"
     return f"unexpected {type(reason).__name__}"

@@ -1,4 +1,5 @@
-"""A pytest plugin (loaded through the ``pytest11`` entry point): the ``agent_server`` fixture.
+"""A pytest plugin (loaded through the ``pytest11`` entry point): the ``agent_server`` fixture, and
+``agent_server_tls`` for the same over https.
 
 Example::
 
@@ -11,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Iterator
 
 import pytest
@@ -27,4 +29,24 @@ def agent_server() -> Iterator[AgentServerStub]:
     to make runs beyond that many wait for a slot, as the bridge does.
     """
     with AgentServerStub() as server:
+        yield server
+
+
+@pytest.fixture
+def agent_server_tls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentServerStub]:
+    """The same stub serving https, with a certificate for 127.0.0.1 made by ``trustme`` (skipped
+    where trustme is not installed). Trust it with ``ca_bundle=agent_server_tls.ca_bundle``.
+
+    Example::
+
+        def test_my_abort_over_tls(agent_server_tls):
+            report = flush(agent_server_tls.url, ["inst-1"], ca_bundle=agent_server_tls.ca_bundle)
+    """
+    trustme = pytest.importorskip("trustme")
+    authority = trustme.CA()
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    authority.issue_cert("127.0.0.1", "localhost").configure_cert(context)
+    ca_file = tmp_path_factory.mktemp("agent-server-ca") / "ca.pem"
+    authority.cert_pem.write_to_path(str(ca_file))
+    with AgentServerStub(tls=context, ca_bundle=str(ca_file)) as server:
         yield server

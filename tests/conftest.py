@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 _ENV_VARS = (
     "AGENT_SERVER_URL", "SWE_AGENT_URL", "HARBOR_ADMIN_SECRET", "MILES_HARBOR_AUTH_TOKEN",
     "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "all_proxy", "no_proxy",
-    "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NETRC",
+    "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "SSL_CERT_FILE", "NETRC", "SWE_FLUSH_LEDGER",
 )
 
 

@@ -26,11 +26,12 @@ class Harbor:
 def harbor_factory() -> Iterator[Callable[..., Harbor]]:
     servers: list[tuple[uvicorn.Server, threading.Thread]] = []
 
-    def start(**settings: object) -> Harbor:
+    def start(*, tls: dict[str, object] | None = None, **settings: object) -> Harbor:
+        """The app with ``settings``; with ``tls`` (uvicorn's ``ssl_*`` settings), over https."""
         app, stats = create_app(**settings)  # type: ignore[arg-type]
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", **(tls or {})))
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
         thread.start()
         end = time.monotonic() + 10
@@ -38,7 +39,7 @@ def harbor_factory() -> Iterator[Callable[..., Harbor]]:
             time.sleep(0.01)
         assert server.started, "uvicorn did not start"
         servers.append((server, thread))
-        return Harbor(f"http://127.0.0.1:{sock.getsockname()[1]}", stats)
+        return Harbor(f"{'https' if tls else 'http'}://127.0.0.1:{sock.getsockname()[1]}", stats)
 
     yield start
     for server, thread in servers:
