@@ -62,6 +62,17 @@ class _Track:
     final: FlushResult | None = None  # set when the pair needs no more passes
 
 
+class _Call(NamedTuple):
+    """One flush call: its pairs, when it ends, whether it repeats until idle, who runs its requests."""
+
+    tracks: dict[Pair, _Track]
+    started: float
+    deadline_at: float
+    until_idle: bool
+    runner: Runner | None
+    rounds: dict[str, int]  # per server, the rounds started
+
+
 class Flusher:
     """Flushes instance ids on agent servers in parallel, within a deadline; reusable.
 
@@ -121,7 +132,7 @@ class Flusher:
         return self._closed
 
     def flush(self, instance_ids: str | Iterable[str] | Mapping[Any, str], *,
-              deadline: float | None = None) -> FlushReport:
+              deadline: float | None = None, until_idle: bool | None = None) -> FlushReport:
         """POST ``/flush`` for every (server, id) pair in parallel, within ``deadline`` plus a few ms.
 
         A pair whose earlier request is still in flight is not sent again: this call waits on it
@@ -131,6 +142,9 @@ class Flusher:
             instance_ids: an id, an iterable of ids, or a Mapping whose values are ids (deduplicated;
                 None and "" dropped).
             deadline: seconds for this call; the Flusher's default when None.
+            until_idle: repeat each server's rounds until idle in this call (see ``FlushOptions``);
+                the Flusher's default when None. A one-pass call and an until-idle call share the
+                Flusher's requests in flight: either joins the other's.
 
         Returns:
             A ``FlushReport``, one result per pair, server-major; unfinished pairs fail saying so.
@@ -140,47 +154,49 @@ class Flusher:
         """
         ids = normalize_instance_ids(instance_ids)
         budget = self._options.deadline if deadline is None else check_seconds(deadline, "deadline")
-        report = self._flush_ids(ids, budget)
+        if until_idle is not None and not isinstance(until_idle, bool):
+            raise ConfigError(f"until_idle must be a bool, not {type(until_idle).__name__}")
+        report = self._flush_ids(ids, budget, until_idle=until_idle)
         log_report(report)
         return report
 
-    def _flush_ids(self, ids: tuple[str, ...], budget: float, *, runner: Runner | None = None) -> FlushReport:
+    def _flush_ids(self, ids: tuple[str, ...], budget: float, *, until_idle: bool | None = None,
+                   runner: Runner | None = None) -> FlushReport:
         """``flush`` of validated ids, without logging; ``runner`` (the signal and exit hooks' threads)
         runs the requests instead of the executor, and nothing lingering is given up for room."""
         started = time.monotonic()
-        deadline_at = started + budget
         tracks = {pair: _Track(pair) for pair in ((url, i) for i in ids for url in self._urls)}  # interleaved
-        if not tracks:
+        repeat = self._options.until_idle if until_idle is None else until_idle
+        call = _Call(tracks, started, started + budget, repeat, runner, dict.fromkeys(self._urls, 1))
+        if not call.tracks:
             return FlushReport(elapsed=time.monotonic() - started)
         with self._lock:
             if self._closed:
                 raise FlushError("this Flusher is closed")
-            self._send_pass(list(tracks.values()), deadline_at, runner)
-        rounds = dict.fromkeys(self._urls, 1)
+            self._send_pass(list(call.tracks.values()), call)
         # Rounds wake at each answer: a server's next round never waits for another server.
-        until = concurrent.futures.FIRST_COMPLETED if self._options.until_idle else concurrent.futures.ALL_COMPLETED
+        until = concurrent.futures.FIRST_COMPLETED if call.until_idle else concurrent.futures.ALL_COMPLETED
         try:
             while True:
                 for url in self._urls:
-                    self._end_round_if_answered(url, tracks, rounds, deadline_at, runner)
-                waiting = [t.pending.future for t in tracks.values()
+                    self._end_round_if_answered(url, call)
+                waiting = [t.pending.future for t in call.tracks.values()
                            if t.pending is not None and not t.pending.future.done()]
-                left = deadline_at - time.monotonic()
+                left = call.deadline_at - time.monotonic()
                 if not waiting or left <= 0:
                     break
                 concurrent.futures.wait(waiting, timeout=left, return_when=until)
         except BaseException:  # Ctrl-C or any other exception here: give up what this call sent, re-raise
-            for track in tracks.values():
+            for track in call.tracks.values():
                 if track.pending is not None and not track.joined:
                     _give_up(track.pending, "interrupted")
             raise
-        results = tuple(self._result(tracks[(url, i)], started) for url in self._urls for i in ids)
+        results = tuple(self._result(call.tracks[(url, i)], call) for url in self._urls for i in ids)
         return FlushReport(results=results, elapsed=time.monotonic() - started)
 
-    def _end_round_if_answered(self, url: str, tracks: dict[Pair, _Track], rounds: dict[str, int],
-                               deadline_at: float, runner: Runner | None) -> None:
+    def _end_round_if_answered(self, url: str, call: _Call) -> None:
         """Once all pairs of ``url`` in this round are answered: end them, or start the next round."""
-        going = [t for t in tracks.values() if t.pair[0] == url and t.final is None]
+        going = [t for t in call.tracks.values() if t.pair[0] == url and t.final is None]
         if not going or any(t.pending is not None and not t.pending.future.done() for t in going):
             return
         for track in going:
@@ -189,21 +205,21 @@ class Flusher:
                 track.pending = None
         counting = [t for t in going if t.passes[-1].ok and t.passes[-1].cancelled is not None]
         for track in going:  # a failed pass, or a server that does not count, ends the pair
-            if track not in counting or not self._options.until_idle:
+            if track not in counting or not call.until_idle:
                 track.final = _merged(track.passes, idle=None)
-        if not counting or not self._options.until_idle:
+        if not counting or not call.until_idle:
             return
         busy = any(t.passes[-1].cancelled for t in counting)
-        if busy and rounds[url] < MAX_ROUNDS and time.monotonic() < deadline_at:
-            rounds[url] += 1
+        if busy and call.rounds[url] < MAX_ROUNDS and time.monotonic() < call.deadline_at:
+            call.rounds[url] += 1
             with self._lock:
                 if not self._closed:
-                    self._send_pass(counting, deadline_at, runner)
+                    self._send_pass(counting, call)
             return
         for track in counting:  # idle: the round cancelled nothing; else the cap or the deadline stopped it
             track.final = _merged(track.passes, idle=not busy)
 
-    def _send_pass(self, tracks: list[_Track], deadline_at: float, runner: Runner | None) -> None:
+    def _send_pass(self, tracks: list[_Track], call: _Call) -> None:
         """Join or send one pass of each track (lock held); a pair without a bearer ends at once."""
         self._forget_finished()  # answered requests are not joined: their pairs are sent afresh
         fresh: list[tuple[_Track, str | None, CancelToken]] = []
@@ -217,12 +233,12 @@ class Flusher:
             except ConfigError as exc:
                 track.final = _merged([*track.passes, FlushResult(*track.pair, ok=False, error=str(exc))], idle=None)
                 continue
-            fresh.append((track, authorization, CancelToken(deadline_at, deadline_at + self._options.linger)))
-        if runner is None:  # the hooks gave every lingering request up already
+            fresh.append((track, authorization, CancelToken(call.deadline_at, call.deadline_at + self._options.linger)))
+        if call.runner is None:  # the hooks gave every lingering request up already
             self._make_room(len(fresh))
         transport = self._transport_now()
         calls = [functools.partial(transport.post, *t.pair, auth, token) for t, auth, token in fresh]
-        for (track, _, token), future in zip(fresh, self._submit(calls, runner), strict=True):
+        for (track, _, token), future in zip(fresh, self._submit(calls, call.runner), strict=True):
             track.pending = self._inflight[track.pair] = _Pending(future, token)
             track.joined = False
 
@@ -268,11 +284,11 @@ class Flusher:
                 futures.append(_run_here(call))
         return futures
 
-    def _result(self, track: _Track, started: float) -> FlushResult:
+    def _result(self, track: _Track, call: _Call) -> FlushResult:
         """The pair's result at the end of the call; a pass still out is reported unfinished."""
         if track.final is not None:
             return track.final
-        idle = False if self._options.until_idle else None
+        idle = False if call.until_idle else None
         pending = track.pending
         if pending is None:  # answered, but its server's round was cut by the deadline
             return _merged(track.passes, idle=idle)
@@ -289,8 +305,8 @@ class Flusher:
             error = f"{reason} while in flight"
         else:
             error = f"deadline passed while in flight (left in flight for up to {self._options.linger:g}s)"
-        unfinished = FlushResult(*track.pair, ok=False, attempts=token.attempts, elapsed=time.monotonic() - started,
-                                 error=error, joined=track.joined)
+        unfinished = FlushResult(*track.pair, ok=False, attempts=token.attempts, error=error, joined=track.joined,
+                                 elapsed=time.monotonic() - call.started)
         return _merged([*track.passes, unfinished], idle=idle)
 
     def _transport_now(self) -> Transport:

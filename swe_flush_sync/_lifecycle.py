@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 _CACHE_SIZE: Final = 8
 _HOOK_LOG_TIMEOUT: Final = 0.5  # seconds a signal or exit hook waits for its own logging
-STANDBY_THREADS: Final = 32  # idle daemon threads kept from the first hook install on
+STANDBY_THREADS: Final = 32  # idle daemon threads kept while a signal or exit hook is installed
 _cache_lock = threading.RLock()  # re-entrant: a signal may land while abort() holds it
 _cache: dict[tuple[tuple[str, ...], FlushOptions], Flusher] = {}
 
@@ -78,7 +78,8 @@ class _State:
 
 
 def _cached_flusher(urls: tuple[str, ...], options: FlushOptions) -> Flusher:
-    key = (urls, dataclasses.replace(options, deadline=DEFAULT_DEADLINE, ledger=None))  # the deadline is per call
+    # The deadline and until_idle are per call: one Flusher (and single flight) serves every call.
+    key = (urls, dataclasses.replace(options, deadline=DEFAULT_DEADLINE, until_idle=False, ledger=None))
     with _cache_lock:
         flusher = _cache.get(key)
         if flusher is None or flusher.closed:
@@ -107,18 +108,34 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class _Standby:
-    """Daemon threads started when a hook is installed, idle until a signal or exit flush needs them.
+    """Daemon threads that exist while a signal or exit hook is installed, idle until it fires.
 
     Python 3.12 starts no thread once the main thread has ended (not even in ``threading``'s exit
     stage), and a signal may land while the executor's locks are held; these threads exist
     already and take their work from a ``SimpleQueue``, which a signal handler may feed. More
     are started when a flush needs them and threads can start; with none at all, the calls run
-    one by one in the calling thread.
+    one by one in the calling thread. Each hook holds them from its install until it is
+    uninstalled or has fired; when the last lets go, they end (a hook installed later starts
+    them again).
     """
 
     def __init__(self) -> None:
-        self._tasks: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]]] = queue.SimpleQueue()
+        self._tasks: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
         self._threads = 0
+        self._holders = 0
+
+    def hold(self, count: int) -> None:
+        """A hook is installed: keep ``count`` threads while it holds them."""
+        self._holders += 1
+        self.keep(count)
+
+    def let_go(self) -> None:
+        """A hook is uninstalled or has fired; the threads end with the last holder."""
+        self._holders = max(self._holders - 1, 0)
+        if not self._holders:
+            for _ in range(self._threads):
+                self._tasks.put(None)  # after the tasks already queued: each thread ends on one
+            self._threads = 0
 
     def keep(self, count: int) -> None:
         """Start threads until ``count`` are there (fewer where none can start)."""
@@ -131,8 +148,8 @@ class _Standby:
             self._threads += 1
 
     def _serve(self) -> None:
-        while True:
-            future, call = self._tasks.get()
+        while (task := self._tasks.get()) is not None:
+            future, call = task
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(call())
@@ -162,7 +179,7 @@ class _Standby:
             wait([future], timeout)
 
     def forget_after_fork(self) -> None:
-        """In a forked child the parent's threads are gone (more start on demand)."""
+        """In a forked child the parent's threads are gone (more start on demand while hooks hold them)."""
         self._tasks = queue.SimpleQueue()
         self._threads = 0
 
@@ -187,7 +204,8 @@ def _abort_report(args: Any, environ: Mapping[str, str] | None, options: FlushOp
         if options.admin_secret is None and options.bearer is None:
             options = dataclasses.replace(options, bearer=resolve_bearer(env))
         runner = (lambda calls: _standby.run(calls, options.workers)) if hook else None
-        return _cached_flusher(urls, options)._flush_ids(ids, options.deadline, runner=runner)
+        return _cached_flusher(urls, options)._flush_ids(ids, options.deadline, until_idle=options.until_idle,
+                                                         runner=runner)
     except FlushError as exc:
         error = str(exc)
     except Exception as exc:  # noqa: BLE001 - the "never raises" boundary; the message could hold anything
@@ -281,10 +299,10 @@ def _log_and_flush_stdio(report: FlushReport) -> None:
 
 def _prepare_hook(options: FlushOptions) -> None:
     """Build the request path once, so that nothing is imported lazily when the hook runs, and
-    start the standby threads it will flush on."""
+    start the standby threads it will flush on (held until the hook is uninstalled or has fired)."""
     with Flusher.from_options("http://127.0.0.1", options) as flusher:
         flusher.warm_up()
-    _standby.keep(min(options.workers, STANDBY_THREADS))
+    _standby.hold(min(options.workers, STANDBY_THREADS))
 
 
 class SignalHook:
@@ -303,6 +321,7 @@ class SignalHook:
         self._previous: dict[int, Any] = {}
         self._flushing = False
         self._flushed = False
+        self._holding = True  # the standby threads, held since flush_on_signal started them
         for signum in signals:
             self._previous[signum] = signal.signal(signum, self._handle)
 
@@ -317,7 +336,13 @@ class SignalHook:
             finally:
                 self._flushed = True
                 self._flushing = False
+                self._let_go()
         self._hand_over(signum, frame)
+
+    def _let_go(self) -> None:
+        if self._holding:
+            self._holding = False
+            _standby.let_go()
 
     def _hand_over(self, signum: int, frame: FrameType | None) -> None:
         previous = self._previous.get(signum, signal.SIG_DFL)
@@ -341,6 +366,7 @@ class SignalHook:
         for signum, previous in self._previous.items():
             if signal.getsignal(signum) == self._handle:
                 signal.signal(signum, signal.SIG_DFL if previous is None else previous)
+        self._let_go()
 
 
 def _require_main_thread(what: str) -> None:
@@ -384,6 +410,7 @@ def flush_on_signal(args: Any, *, signals: Iterable[int] = (signal.SIGTERM,), en
     try:
         return SignalHook(args, signal_tuple, environ, flush_options)
     except (ValueError, OSError) as exc:  # not a catchable signal (SIGKILL) or not a signal at all
+        _standby.let_go()
         raise ConfigError(f"signals: cannot install a handler: {exc}") from None
 
 
@@ -410,10 +437,13 @@ class ExitHook:
             return
         self._done = True
         self.report = _hook_flush(self._args, self._environ, self._options)
+        _standby.let_go()
 
     def uninstall(self) -> None:
-        """Turn the exit flush off."""
-        self._done = True
+        """Turn the exit flush off (idempotent)."""
+        if not self._done:
+            self._done = True
+            _standby.let_go()
         if not self._at_thread_exit:
             atexit.unregister(self._run)
 

@@ -328,3 +328,48 @@ def test_exit_flush_logs_its_summary_on_every_python(stub: AgentServerStub) -> N
     code, _, out, err = child.finish()
     assert code == 0, err
     assert "swe_flush_sync: flushed 3/3 targets" in out, out
+
+
+def _standby_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "swe-flush-standby" and t.is_alive()]
+
+
+def _count_settles(expected: int, timeout: float = 1.0) -> bool:
+    end = time.monotonic() + timeout
+    while len(_standby_threads()) != expected and time.monotonic() < end:
+        time.sleep(0.01)
+    return len(_standby_threads()) == expected
+
+
+def test_standby_threads_live_only_while_a_hook_is_installed() -> None:
+    assert _count_settles(0, 2.0)  # whatever earlier tests installed is gone
+    args = {"session_server_instance_id": "x"}
+    hook = flush_on_signal(args, signals=(signal.SIGUSR2,), max_workers=4)
+    assert len(_standby_threads()) == 4
+    exit_hook = flush_at_exit(args, max_workers=2)
+    assert len(_standby_threads()) == 4  # kept: the most any hook wants
+    hook.uninstall()
+    hook.uninstall()  # idempotent: lets go once
+    assert len(_standby_threads()) == 4  # the exit hook still holds them
+    exit_hook.uninstall()
+    assert _count_settles(0), "the last uninstall ends them within a second"
+    again = flush_on_signal(args, signals=(signal.SIGUSR2,), max_workers=3)
+    assert len(_standby_threads()) == 3  # a later hook starts them again
+    again.uninstall()
+    assert _count_settles(0)
+
+
+def test_a_hook_that_fired_lets_its_standby_threads_go() -> None:
+    assert _count_settles(0, 2.0)
+    called: list[int] = []
+    previous = signal.signal(signal.SIGUSR2, lambda signum, frame: called.append(signum))
+    try:
+        hook = flush_on_signal({"session_server_instance_id": "x"}, signals=(signal.SIGUSR2,), max_workers=4,
+                               environ={})
+        assert len(_standby_threads()) == 4
+        signal.raise_signal(signal.SIGUSR2)  # no server configured: an empty flush, then the handler before
+        assert called == [signal.SIGUSR2] and hook.report is not None and hook.report.ok
+        assert _count_settles(0), "a hook that has fired ends its standby threads within a second"
+        hook.uninstall()
+    finally:
+        signal.signal(signal.SIGUSR2, previous)

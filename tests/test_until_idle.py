@@ -6,12 +6,13 @@ import json
 import signal
 import subprocess
 import textwrap
+import threading
 import time
 
 import pytest
 
+from swe_flush_sync import ConfigError, abort, flush
 from swe_flush_sync import _flusher as flusher_module
-from swe_flush_sync import abort, flush
 from swe_flush_sync._cli import main
 from swe_flush_sync.testing import AgentServerStub
 
@@ -154,3 +155,43 @@ def test_the_signal_hook_flushes_until_idle(slots: AgentServerStub) -> None:
     _, err = proc.communicate(timeout=15)
     assert proc.returncode == -signal.SIGTERM, err
     assert slots.flushed_ids() == ["a"] * 4 and slots.trials("a") + slots.waiting() == 0
+
+
+# -- until_idle is a property of one call, not of the Flusher ---------------------------------------
+
+def test_an_until_idle_abort_joins_a_one_pass_abort_in_flight(stub: AgentServerStub) -> None:
+    from swe_flush_sync import _lifecycle
+
+    stub.teardown = 0.6
+    stub.add_trials("a", 2)
+    env = {"AGENT_SERVER_URL": stub.url, "HARBOR_ADMIN_SECRET": SECRET}
+    args = {"session_server_instance_id": "a"}
+    box: list[object] = []
+    step = threading.Thread(target=lambda: box.append(abort(args, environ=env, deadline=5)))  # one pass
+    step.start()
+    end = time.monotonic() + 5
+    while not stub.connections and time.monotonic() < end:
+        time.sleep(0.005)
+    time.sleep(0.1)  # the one-pass flush is at the server, tearing down
+    final = abort(args, environ=env, deadline=5, until_idle=True)
+    step.join(10)
+    [result] = final.results
+    assert result.ok and result.idle is True and result.cancelled == 2 and result.passes == 2
+    assert len(_lifecycle._cache) == 1  # both modes share one Flusher
+    assert stub.recancels == 0  # no second flush while the first was tearing down
+    assert [r.status for r in stub.requests] == [200, 200]  # the one pass (joined), then the round that found 0
+
+
+def test_flusher_until_idle_per_call(slots: AgentServerStub) -> None:
+    from swe_flush_sync import Flusher
+
+    slots.add_trials("a", 20)
+    with Flusher(slots.url, admin_secret=SECRET) as flusher:  # one pass by default
+        [one] = flusher.flush(["a"]).results
+        [rest] = flusher.flush(["a"], until_idle=True).results
+        [again] = flusher.flush(["a"], until_idle=False).results
+        with pytest.raises(ConfigError, match="until_idle must be a bool"):
+            flusher.flush(["a"], until_idle="yes")  # type: ignore[arg-type]
+    assert (one.cancelled, one.idle, one.passes) == (8, None, 1)
+    assert (rest.cancelled, rest.idle) == (12, True) and rest.passes >= 2
+    assert (again.cancelled, again.idle, again.passes) == (0, None, 1)
