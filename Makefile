@@ -58,7 +58,7 @@ sdist-test: $(VENV)/.installed
 	cd build/sdist-test/swe_flush_sync-* && ../../../$(BIN)/python -m pytest -q -p no:cacheprovider
 
 bench: $(VENV)/.installed-bench
-	$(BIN)/python -m benchmarks
+	$(BIN)/python -m benchmarks --plot
 
 bench-quick: $(VENV)/.installed-bench
 	$(BIN)/python -m benchmarks --quick

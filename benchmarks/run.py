@@ -56,6 +56,8 @@ SEQUENTIAL = ("one-by-one async", "sequential requests")
 SEQUENTIAL_LIMIT = 60.0  # a sequential measurement estimated longer than this is skipped
 QUICK_SEQUENTIAL_LIMIT = 1.0
 RESULTS = Path(__file__).with_name("results.md")
+RESULTS_JSON = Path(__file__).with_name("results.json")
+CHART = Path(__file__).with_name("results.png")
 FLOOR_HEADERS = {"Content-Type": "application/json", "Authorization": f"Bearer {SECRET}"}
 
 
@@ -539,7 +541,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smaller grid, under 60 s")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"markdown output (default {RESULTS})")
+    parser.add_argument("--plot", action="store_true", help=f"also draw the chart, {CHART.name} (matplotlib)")
+    parser.add_argument("--replot", action="store_true",
+                        help=f"only redraw {CHART.name} from the last run's {RESULTS_JSON.name}, running nothing")
     args = parser.parse_args(argv)
+    if args.replot:
+        from .plot import plot
+
+        print(plot(json.loads(RESULTS_JSON.read_text()), CHART))
+        return 0
     if args.quick:
         ns, ls, args.reps, fault_reps, cap, reuse_calls, args.import_reps = [8, 64], [0.0, 0.05], 5, 1, 3.0, 10, 3
         args.sequential_limit = QUICK_SEQUENTIAL_LIMIT
@@ -565,4 +575,10 @@ def main(argv: list[str] | None = None) -> int:
     text = report_markdown(args, cells, faults, reuse, probe, imports, queued, time.perf_counter() - started)
     print("\n" + text)
     args.out.write_text(text)
+    data = {"machine": f"{os.cpu_count()} cores, Python {sys.version.split()[0]}", "cells": cells, "faults": faults}
+    args.out.with_suffix(".json").write_text(json.dumps(data, indent=1))
+    if args.plot:
+        from .plot import plot
+
+        print(plot(data, args.out.with_suffix(".png")))
     return 0

@@ -122,7 +122,8 @@ class Watchdog:
             "sys_path": [os.path.abspath(path) for path in sys.path],
             "options": {"deadline": options.deadline, "retries": options.retries, "max_workers": options.max_workers,
                         "connect_timeout": options.connect_timeout, "backoff_factor": options.backoff_factor,
-                        "until_idle": options.until_idle},
+                        "until_idle": options.until_idle, "ca_bundle": _absolute(options.ca_bundle),
+                        "client_cert": _absolute(options.client_cert)},  # paths: the watchdog runs in /
         }
         self._pairs = frozenset((url, instance_id) for url in urls for instance_id in ids)
         return json.dumps({"state": state}).encode() + b"\n"
@@ -218,6 +219,12 @@ class Watchdog:
 
     def __repr__(self) -> str:
         return f"Watchdog(pid={self.pid}, armed={self.armed}, ledger={self.ledger!r})"
+
+
+def _absolute(paths: str | tuple[str, str] | None) -> str | list[str] | None:
+    if paths is None:
+        return None
+    return os.path.abspath(paths) if isinstance(paths, str) else [os.path.abspath(path) for path in paths]
 
 
 def _tokens(provider: Any, ids: tuple[str, ...]) -> dict[str, str]:

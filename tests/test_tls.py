@@ -286,3 +286,21 @@ def test_tls_failure_classifies_only_final_failures() -> None:
     wrapped.__cause__ = ssl.SSLCertVerificationError(1, "certificate verify failed")
     wrapped.__cause__.verify_code, wrapped.__cause__.verify_message = 10, "certificate has expired"
     assert tls_failure(wrapped) == "certificate verify failed: certificate has expired"
+
+
+def test_a_watchdog_flushes_over_tls_with_its_trainers_certificates(tls_stub: Callable[..., AgentServerStub],
+                                                                    certs: Certificates) -> None:
+    from .test_watchdog import Trainer, gone, wait_until
+
+    server = tls_stub(require_client=True)
+    ca = os.path.relpath(certs.ca_file)  # relative to the trainer's directory: the watchdog runs in /
+    trainer = Trainer(server, f"""
+        os.chdir({os.getcwd()!r})
+        armed(watchdog(args, until_idle=False, ca_bundle={ca!r}, client_cert={certs.client_pem!r}))
+        time.sleep(60)
+    """, HARBOR_ADMIN_SECRET="")
+    pid = trainer.armed()
+    trainer.proc.kill()
+    trainer.death()
+    assert wait_until(lambda: gone(pid), 6.0)
+    assert sorted(server.flushed_ids()) == ["wd-a", "wd-b", "wd-c"]
