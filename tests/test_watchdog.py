@@ -160,6 +160,7 @@ def test_watchdog_survives_signals_and_waits_without_cpu(stub: AgentServerStub) 
     assert session != pid  # and not a session leader: it can never acquire a controlling terminal
     assert not [child for child in _children_of(trainer.proc.pid)]  # no zombie left in the trainer
 
+    time.sleep(0.5)  # it loads part of the standard library once watchdog() has returned
     cpu_before = _cpu_ticks(pid)
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         os.kill(pid, signum)
