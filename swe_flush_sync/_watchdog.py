@@ -101,12 +101,15 @@ class Watchdog:
     def disarm(self) -> None:
         """Let the watchdog exit without flushing (within a second); its ledger record is removed.
 
-        Idempotent. Call it when the trainer has flushed everything itself.
+        Idempotent. Call it when the trainer has flushed everything itself. A watchdog that does
+        not read its pipe (stopped, hung) is killed instead, and its ledger record stays.
         """
         with _lock:
             if self._control is None:
                 return
             self._send(b'{"disarm": true}\n')
+            if self._unsent:  # a stopped or hung watchdog that the pipe cannot reach must not flush later
+                os.kill(self.pid, signal.SIGKILL)  # still ours: its end of the ready pipe is open
             self._close()
 
     def _state_message(self) -> bytes:

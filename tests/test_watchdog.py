@@ -423,3 +423,19 @@ def test_bad_configuration(args: argparse.Namespace, stub: AgentServerStub, opti
 def test_misspelt_option_is_a_type_error(args: argparse.Namespace) -> None:
     with pytest.raises(TypeError):
         watchdog(args, linger=0)  # type: ignore[call-arg]  # linger does not apply to a watchdog
+
+
+def test_disarming_a_stopped_watchdog_kills_it(arm: Callable[..., Watchdog], args: argparse.Namespace,
+                                               stub: AgentServerStub) -> None:
+    guard = arm(args)
+    os.kill(guard.pid, signal.SIGSTOP)  # it reads nothing any more: the pipe fills up
+    args.session_server_instance_ids = {n: f"wd-{n:06d}-" + "x" * 40 for n in range(2000)}  # ~100 KB a message
+    guard.refresh()
+    args.session_server_instance_id = "wd-more"
+    guard.refresh()  # cannot be written in full: the rest waits for room
+    started = time.monotonic()
+    guard.disarm()
+    assert time.monotonic() - started < 2.0  # bounded, never blocked on the pipe
+    assert wait_until(lambda: gone(guard.pid), 1.0) and not guard.armed
+    time.sleep(0.3)
+    assert stub.requests == []  # killed, not flushed
