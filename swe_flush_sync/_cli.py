@@ -52,8 +52,8 @@ USAGE = """swe-flush [--url URL]... [--id ID]... [--ids-json PATH|-] [--secret-f
                  [--ca-bundle PATH] [--client-cert PATH [--client-key PATH]]
                  [--deadline S] [--workers N] [--retries N] [--until-idle] [--json] [-q | -v]
        swe-flush demo [--instances N] [--teardown S] [--max-concurrent N] [--until-idle] [--watchdog] [--json]
-       swe-flush recover DIR [--secret-file PATH] [--ca-bundle PATH] [--client-cert PATH] [--deadline S]
-                              [--workers N] [--retries N] [--json] [-q | -v]
+       swe-flush recover DIR [--secret-file PATH] [--ca-bundle PATH] [--client-cert PATH [--client-key PATH]]
+                             [--deadline S] [--workers N] [--retries N] [--json] [-q | -v]
        swe-flush stub [--host H] [--port P] [--teardown S] [--max-concurrent N] [--secret-env VAR]"""
 EXIT_INTERRUPTED = 130
 _OPTION_FLAGS = {"max_workers": "--workers", "deadline": "--deadline", "retries": "--retries",
