@@ -21,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from pathlib import Path
@@ -89,9 +90,9 @@ def measure(url: str, ca_file: str, n: int, reps: int) -> dict[str, float]:
     floors = Floors(url, ca_file, n)
     times: dict[str, list[float]] = {"http.client floor": [], "urllib3 floor": [], "swe_flush_sync": []}
     with Flusher(url, ca_bundle=ca_file, max_workers=n, deadline=30) as flusher:
-        peers = {"http.client floor": lambda: floors.run("raw", bodies),
-                 "urllib3 floor": lambda: floors.run("urllib3", bodies),
-                 "swe_flush_sync": lambda: flusher.flush(ids).ok}
+        peers: dict[str, Callable[[], bool]] = {"http.client floor": lambda: floors.run("raw", bodies),
+                                                "urllib3 floor": lambda: floors.run("urllib3", bodies),
+                                                "swe_flush_sync": lambda: flusher.flush(ids).ok}
         for round_ in range(reps + 2):
             for name, call in peers.items():
                 started = time.perf_counter()
