@@ -204,9 +204,10 @@ class Flusher:
                 track.passes.append(_answer(track, track.pending))
                 track.pending = None
         counting = [t for t in going if t.passes[-1].ok and t.passes[-1].cancelled is not None]
+        cut = call.until_idle and time.monotonic() >= call.deadline_at  # a pass failed at the deadline: not idle
         for track in going:  # a failed pass, or a server that does not count, ends the pair
             if track not in counting or not call.until_idle:
-                track.final = _merged(track.passes, idle=None)
+                track.final = _merged(track.passes, idle=False if cut and not track.passes[-1].ok else None)
         if not counting or not call.until_idle:
             return
         busy = any(t.passes[-1].cancelled for t in counting)

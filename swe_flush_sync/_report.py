@@ -29,8 +29,9 @@ class FlushResult:
         passes: requests for the pair that the server answered 2xx (with ``until_idle``, one
             per round; ``cancelled``, ``attempts`` and ``elapsed`` are summed over them).
         idle: with ``until_idle``: True when the pair's last round cancelled nothing on its
-            server, False when the deadline or the round cap stopped the rounds first; None
-            without ``until_idle``, or when the server's answer gives no ``cancelled`` count.
+            server, False when the deadline (a pass it cut included) or the round cap stopped the
+            rounds first; None without ``until_idle``, after a pass that failed before the
+            deadline, or when the server's answer gives no ``cancelled`` count.
     """
 
     server_url: str
