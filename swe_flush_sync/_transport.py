@@ -79,8 +79,9 @@ class CancelToken:
         self.attempts = 0  # counted in one place: set to 1 on send, +1 per retry (``_DeadlineRetry``)
         self.stop_reason: str | None = None  # why retrying stopped early
         self.next_wait = 0.0
-        self._connections: list[HTTPConnection] = []
-        self._handshakes: list[socket.socket] = []  # sockets in a TLS handshake (no connection holds them yet)
+        # Connections (their socket changes on reconnect) and sockets in a TLS handshake (no connection holds
+        # them yet: the wrap detaches the socket the connection had).
+        self._holders: list[HTTPConnection | socket.socket] = []
 
     def time_left(self) -> float:
         """Seconds until the request must end."""
@@ -90,17 +91,11 @@ class CancelToken:
         """Seconds in which another attempt may still start."""
         return min(self.deadline_at, self.linger_until) - time.monotonic()
 
-    def track(self, connection: HTTPConnection) -> None:
-        """Note a connection the request uses (``cancel`` shuts its socket down)."""
-        self._connections.append(connection)
+    def track(self, holder: HTTPConnection | socket.socket) -> None:
+        """Note a connection the request uses, or a socket starting its TLS handshake (``cancel`` shuts it down)."""
+        self._holders.append(holder)
         if self.cancelled.is_set():
-            _shut(connection.sock)
-
-    def track_handshake(self, sock: socket.socket) -> None:
-        """Note a socket about to start its TLS handshake (``cancel`` shuts it down)."""
-        self._handshakes.append(sock)
-        if self.cancelled.is_set():
-            _shut(sock)
+            _shut(holder)
 
     def cancel(self, reason: str = "given up") -> None:
         """Give the request up now (no more retries or waits, sockets shut down); the first reason stays."""
@@ -108,16 +103,16 @@ class CancelToken:
             self.reason = reason
         self.deadline_at = self.linger_until = -1.0
         self.cancelled.set()
-        for sock in [connection.sock for connection in self._connections] + self._handshakes:
-            _shut(sock)
+        for holder in list(self._holders):
+            _shut(holder)
 
     def finish(self) -> None:
         """Forget its connections: they are back in the pool, or closed."""
-        self._connections = []
-        self._handshakes = []
+        self._holders = []
 
 
-def _shut(sock: socket.socket | None) -> None:
+def _shut(holder: HTTPConnection | socket.socket) -> None:
+    sock = holder.sock if isinstance(holder, HTTPConnection) else holder
     if sock is not None:
         with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_RDWR)
@@ -195,24 +190,18 @@ class _TrackedConnectionMixin:
     """Registers the connection with the token its thread is sending, at connect and at each request."""
 
     def connect(self) -> None:
-        _track(self)
+        _track(self)  # type: ignore[arg-type]  # mixed into HTTPConnection only
         super().connect()  # type: ignore[misc]
 
     def request(self, *args: Any, **kwargs: Any) -> None:
-        _track(self)
+        _track(self)  # type: ignore[arg-type]
         super().request(*args, **kwargs)  # type: ignore[misc]
 
 
-def _track(connection: object) -> None:
+def _track(holder: HTTPConnection | socket.socket) -> None:
     token = _local.token
     if token is not None:
-        token.track(connection)  # type: ignore[arg-type]
-
-
-def _track_handshake(sock: socket.socket) -> None:
-    token = _local.token
-    if token is not None:
-        token.track_handshake(sock)
+        token.track(holder)
 
 
 class _TrackedHTTPConnection(_TrackedConnectionMixin, HTTPConnection):
@@ -285,7 +274,7 @@ class Transport:
         session.trust_env = False
         # No gzip (the body is never decoded), no Accept, no Connection (HTTP/1.1 keeps alive).
         session.headers = requests.structures.CaseInsensitiveDict({"User-Agent": USER_AGENT})
-        tls = ssl_context(options.ca_bundle, options.client_cert, _track_handshake) if any(
+        tls = ssl_context(options.ca_bundle, options.client_cert, _track) if any(
             url.startswith("https:") for url in server_urls) else None
         self._adapter = _FlushAdapter(tls, pool_connections=max(len(server_urls), 1), pool_maxsize=options.workers,
                                       max_retries=build_retry(options.retries, options.backoff_factor))
@@ -406,10 +395,12 @@ def _describe_exception(exc: BaseException | None) -> str:
         cause = reason.__cause__ or reason.__context__
         return f"could not connect: {cause.strerror.lower()}" if isinstance(cause, OSError) and cause.strerror \
             else "could not connect"
+    why = tls_failure(reason)
+    if why is not None:
+        return f"TLS error: {why}"
     for kinds, message in _EXCEPTION_MESSAGES:
         if isinstance(reason, kinds):
-            why = tls_failure(reason) if message == "TLS error" else None
-            return f"{message}: {why}" if why else message
+            return message
     if isinstance(reason, (Urllib3HTTPError, requests.RequestException, OSError)):
         return f"request failed ({type(reason).__name__})"
     return f"unexpected {type(reason).__name__}"
