@@ -41,6 +41,22 @@ def spawn(args: list[str], **kwargs: object) -> subprocess.Popen[str]:
     return proc
 
 
+def read_until(proc: subprocess.Popen[str], wanted: Callable[[str], bool], seen: list[str],
+               timeout: float = 20) -> str | None:
+    """The first stdout line of ``proc`` (stripped) that is ``wanted``; every line read goes to ``seen``.
+    None when the child's stdout ends or ``timeout`` passes first."""
+    assert proc.stdout is not None
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line.strip())
+        if wanted(line.strip()):
+            return line.strip()
+    return None
+
+
 @pytest.fixture(autouse=True)
 def reap_children() -> Iterator[None]:
     """No child outlives its test (a failed assertion included): killed if still running, waited for,

@@ -17,7 +17,7 @@ import pytest
 from swe_flush_sync import ConfigError, abort_async, flush_at_exit, flush_on_signal
 from swe_flush_sync.testing import AgentServerStub
 
-from .conftest import PYTHON, SECRET, spawn, subprocess_env
+from .conftest import PYTHON, SECRET, read_until, spawn, subprocess_env
 
 IDS = ["inst-a", "inst-b", "inst-c"]
 PRELUDE = """
@@ -46,15 +46,8 @@ class Child:
         self.signalled: float | None = None
 
     def wait_for(self, marker: str, timeout: float = 20) -> None:
-        assert self.proc.stdout is not None
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            self.stdout.append(line.strip())
-            if line.strip() == marker:
-                return
+        if read_until(self.proc, lambda line: line == marker, self.stdout, timeout) is not None:
+            return
         self.proc.kill()
         raise AssertionError(f"child never printed {marker}: {self.stdout} {self.proc.stderr.read()}")  # type: ignore[union-attr]
 

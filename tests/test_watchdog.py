@@ -20,7 +20,7 @@ import pytest
 from swe_flush_sync import ConfigError, Watchdog, watchdog
 from swe_flush_sync.testing import AgentServerStub
 
-from .conftest import PYTHON, SECRET, spawn, subprocess_env
+from .conftest import PYTHON, SECRET, read_until, spawn, subprocess_env
 
 IDS = ("wd-a", "wd-b", "wd-c")
 PRELUDE = """
@@ -76,15 +76,9 @@ class Trainer:
 
     def read(self, word: str, timeout: float = 20) -> list[str]:
         """The words of the first stdout line starting with ``word``."""
-        assert self.proc.stdout is not None
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            self.lines.append(line)
-            if line.startswith(word):
-                return line.split()
+        line = read_until(self.proc, lambda text: text.startswith(word), self.lines, timeout)
+        if line is not None:
+            return line.split()
         self.proc.kill()
         raise AssertionError(f"the trainer never printed {word}: {self.lines}")
 
