@@ -52,11 +52,12 @@ USAGE = """swe-flush [--url URL]... [--id ID]... [--ids-json PATH|-] [--secret-f
                  [--ca-bundle PATH] [--client-cert PATH [--client-key PATH]]
                  [--deadline S] [--workers N] [--retries N] [--until-idle] [--json] [-q | -v]
        swe-flush demo [--instances N] [--teardown S] [--max-concurrent N] [--until-idle] [--watchdog] [--json]
-       swe-flush recover DIR [--secret-file PATH] [--ca-bundle PATH] [--client-cert PATH [--client-key PATH]]
+       swe-flush recover DIR [--url URL]... [--secret-file PATH]
+                             [--ca-bundle PATH] [--client-cert PATH [--client-key PATH]]
                              [--deadline S] [--workers N] [--retries N] [--json] [-q | -v]
        swe-flush stub [--host H] [--port P] [--teardown S] [--max-concurrent N] [--secret-env VAR]"""
 EXIT_INTERRUPTED = 130
-_OPTION_FLAGS = {"max_workers": "--workers", "deadline": "--deadline", "retries": "--retries",
+_OPTION_FLAGS = {"servers": "--url", "max_workers": "--workers", "deadline": "--deadline", "retries": "--retries",
                  "ca_bundle": "--ca-bundle", "client_cert's key": "--client-key", "client_cert": "--client-cert"}
 
 
@@ -148,6 +149,9 @@ def _recover_parser() -> _Parser:
                      description="Flush the ids of every trainer in a watchdog ledger whose owner is gone "
                                  "(until idle), and remove the records that flushed.")
     parser.add_argument("ledger", metavar="DIR", help="the ledger directory (the watchdog's ledger option)")
+    parser.add_argument("--url", action="append", default=[], metavar="URL",
+                        help="an agent server a record may name (repeatable; default: AGENT_SERVER_URL); a "
+                             "record naming any other server is left alone: the bearer goes only to these")
     parser.add_argument("--secret-file", metavar="PATH", help="read the bearer secret from this file")
     _add_tls(parser)
     parser.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE, metavar="S",
@@ -269,7 +273,8 @@ def _run_recover(ns: argparse.Namespace) -> int:
     bearer = StaticBearer(_read_secret_file(ns.secret_file), source="--secret-file") if ns.secret_file \
         else resolve_bearer()
     with _logging_to_stderr(_verbosity(ns.verbose)):  # a record moved aside is worth seeing, even without -v
-        report = recover(ns.ledger, bearer=bearer, deadline=ns.deadline, max_workers=ns.workers,
+        report = recover(ns.ledger, servers=ns.url or None, bearer=bearer, deadline=ns.deadline,
+                         max_workers=ns.workers,
                          retries=ns.retries, **_tls_options(ns))
     _print_report(report, ns.json, quiet=ns.quiet)
     return EXIT_OK if report.ok else EXIT_FAILED

@@ -9,12 +9,14 @@ flush the same record twice. A record that cannot be read is moved aside (``*.ba
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import json
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
@@ -24,9 +26,25 @@ from ._flusher import Flusher
 from ._logs import log_report
 from ._options import FlushOptions
 from ._report import FlushReport, FlushResult
-from ._resolve import normalize_instance_ids, normalize_server_urls, resolve_bearer
+from ._resolve import (
+    URL_ENV_VARS,
+    normalize_instance_ids,
+    normalize_server_urls,
+    redact_url,
+    resolve_bearer,
+    resolve_server_urls,
+)
 from ._text import shown
-from ._watchdog_process import RECORD_SUFFIX, RECORD_VERSION, boot_id, host_name, process_start_time
+from ._trust import directory_problem, ownership_problem
+from ._watchdog_process import (
+    MAX_STATE_BYTES,
+    RECORD_SUFFIX,
+    RECORD_VERSION,
+    boot_id,
+    host_name,
+    pid_namespace,
+    process_start_time,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -37,81 +55,146 @@ log = logging.getLogger(__name__)
 
 CLAIM_MARK: Final = ".claim-"  # <record>.json.claim-<host>.<pid>.<start>: being recovered
 BAD_SUFFIX: Final = ".bad"
-MAX_RECORD_BYTES: Final = 1 << 20
 MAX_ID_LENGTH: Final = 1024
 STALE_HEARTBEATS: Final = 3  # an owner elsewhere is gone when its heartbeat is older than this many intervals
 STALE_CLAIM: Final = 600.0  # seconds after which a claim made on another host is taken over
 
 
 class BadRecord(Exception):
-    """A ledger record that cannot be used; the message says why (never its content)."""
+    """A ledger record that cannot be used; the message says why (never its content). Moved aside."""
+
+
+class UntrustedRecord(Exception):
+    """A ledger record that someone else could have written; the message says why. Left alone."""
+
+
+@dataclass(frozen=True, slots=True)
+class Place:
+    """Where a pid means something: one host, one boot, one PID namespace."""
+
+    host: str
+    boot_id: str | None
+    pid_ns: int | None
+
+    @classmethod
+    def here(cls) -> Place:
+        return cls(host_name(), boot_id(), pid_namespace())
+
+
+def _alive(pid: int | None, started: int | None) -> bool:
+    """Is ``pid`` still the live process that started at ``started``?"""
+    return pid is not None and started is not None and process_start_time(pid) == started
 
 
 @dataclass(frozen=True, slots=True)
 class Record:
-    """One trainer's record: where its ids live and how to tell whether it is gone."""
+    """One trainer's record: where its ids live and how to tell whether it is gone.
+
+    ``set_aside`` says why some of the ids it holds were not taken (None when all were).
+    """
 
     urls: tuple[str, ...]
     ids: tuple[str, ...]
-    host: str
+    place: Place
     pid: int
     start_time: int | None
-    boot_id: str | None
+    watchdog_pid: int | None
+    watchdog_start_time: int | None
     heartbeat: float
     heartbeat_interval: float
+    set_aside: str | None = None
 
-    def owner_gone(self, here: str, boot: str | None, now: float) -> bool:
-        """Same host and boot: the pid is dead or another process; elsewhere: a stale heartbeat."""
-        if self.host == here and boot is not None and self.boot_id == boot:
-            return process_start_time(self.pid) != self.start_time
+    def owner_gone(self, here: Place, now: float) -> bool:
+        """In this host, boot and PID namespace: the trainer is dead (or a zombie, or another process)
+        and its watchdog is not alive to flush; anywhere else: the heartbeat is stale."""
+        if here.boot_id is not None and here.pid_ns is not None and self.place == here:
+            return not _alive(self.pid, self.start_time) and not _alive(self.watchdog_pid, self.watchdog_start_time)
         return now - self.heartbeat > STALE_HEARTBEATS * self.heartbeat_interval
 
 
 def read_record(path: str) -> Record:
-    """Parse and check the record at ``path``; ``BadRecord`` saying what is wrong."""
+    """Parse and check the record at ``path``.
+
+    Raises:
+        UntrustedRecord: another user owns it or may write it, or it is a symbolic link.
+        BadRecord: it cannot be read or is not a valid record (the message says what is wrong).
+    """
     try:
-        with open(path, "rb") as handle:
-            data = handle.read(MAX_RECORD_BYTES + 1)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UntrustedRecord("is a symbolic link") from None
+        raise BadRecord(f"cannot be read ({exc.strerror or type(exc).__name__})") from None
+    try:
+        problem = ownership_problem(os.fstat(fd))  # of the file opened, not of whatever the path names now
+        if problem is not None:
+            raise UntrustedRecord(problem)
+        with os.fdopen(fd, "rb", closefd=False) as handle:
+            data = handle.read(MAX_STATE_BYTES + 1)
     except OSError as exc:
         raise BadRecord(f"cannot be read ({exc.strerror or type(exc).__name__})") from None
-    if len(data) > MAX_RECORD_BYTES:
-        raise BadRecord(f"is larger than {MAX_RECORD_BYTES} bytes")
+    finally:
+        os.close(fd)
+    if len(data) > MAX_STATE_BYTES:
+        raise BadRecord(f"is larger than {MAX_STATE_BYTES} bytes")
     try:
         raw = json.loads(data)
     except ValueError:
         raise BadRecord("is not JSON") from None
     if not isinstance(raw, dict) or raw.get("version") != RECORD_VERSION:
         raise BadRecord(f"is not a version {RECORD_VERSION} record")
+    ids, invalid = _valid_ids(_field(raw, "ids", list))
     try:
-        ids = normalize_instance_ids(_field(raw, "ids", list))
-        if any(len(instance_id) > MAX_ID_LENGTH for instance_id in ids):
-            raise BadRecord(f"holds an id longer than {MAX_ID_LENGTH} characters")
-        return Record(urls=normalize_server_urls(_field(raw, "urls", list), "the record's urls"), ids=ids,
-                      host=_field(raw, "host", str), pid=_field(raw, "pid", int),
-                      start_time=_field(raw, "start_time", (int, type(None))),
-                      boot_id=_field(raw, "boot_id", (str, type(None))),
-                      heartbeat=float(_field(raw, "heartbeat", (int, float))),
-                      heartbeat_interval=float(_field(raw, "heartbeat_interval", (int, float))))
+        urls = normalize_server_urls(_field(raw, "urls", list), "the record's urls")
     except ConfigError as exc:
         raise BadRecord(str(exc)) from None
+    optional_int = (int, type(None))
+    return Record(urls=urls, ids=ids,
+                  place=Place(_field(raw, "host", str), _field(raw, "boot_id", (str, type(None))),
+                              raw.get("pid_ns") if isinstance(raw.get("pid_ns"), int) else None),
+                  pid=_field(raw, "pid", int), start_time=_field(raw, "start_time", optional_int),
+                  watchdog_pid=_field(raw, "watchdog_pid", optional_int),
+                  watchdog_start_time=_field(raw, "watchdog_start_time", optional_int),
+                  heartbeat=float(_field(raw, "heartbeat", (int, float))),
+                  heartbeat_interval=float(_field(raw, "heartbeat_interval", (int, float))),
+                  set_aside=f"{invalid} of its ids set aside (not text, blank, or longer than {MAX_ID_LENGTH} "
+                            "characters)" if invalid else None)
+
+
+def _valid_ids(values: list[Any]) -> tuple[tuple[str, ...], int]:
+    """The ids a flush may take, deduplicated, and how many values were not such ids."""
+    ids: dict[str, None] = {}
+    invalid = 0
+    for value in values:
+        try:
+            [instance_id] = normalize_instance_ids([value])
+        except (ConfigError, ValueError):
+            invalid += 1
+            continue
+        if len(instance_id) > MAX_ID_LENGTH:
+            invalid += 1
+        else:
+            ids[instance_id] = None
+    return tuple(ids), invalid
 
 
 def _field(raw: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    """``raw[name]`` if it is of ``kind`` (a missing key reads as None), else ``BadRecord``."""
     value = raw.get(name)
     if isinstance(value, bool) or not isinstance(value, kind):
         raise BadRecord(f"has no valid {name!r}")
     return value
 
 
-def _claim_owner_gone(name: str, here: str, now: float, path: str) -> bool:
+def _claim_owner_gone(name: str, here: Place, now: float, path: str) -> bool:
     """For a claim file: has the ``recover`` that claimed it died before finishing?"""
     try:
-        host, pid_text, started_text = name.rpartition(CLAIM_MARK)[2].rsplit(".", 2)
+        host, namespace, pid_text, started_text = name.rpartition(CLAIM_MARK)[2].rsplit(".", 3)
         pid, started = int(pid_text), int(started_text)
     except ValueError:
         return False
-    if host == here:
-        return process_start_time(pid) != started
+    if host == here.host and namespace == str(here.pid_ns):
+        return not _alive(pid, started)
     try:
         return now - os.stat(path).st_mtime > STALE_CLAIM
     except OSError:
@@ -119,17 +202,21 @@ def _claim_owner_gone(name: str, here: str, now: float, path: str) -> bool:
 
 
 class _Ledger:
-    """The ledger directory as this ``recover`` sees it."""
+    """The ledger directory as this ``recover`` sees it, and the servers it may send a bearer to."""
 
-    def __init__(self, folder: str) -> None:
+    def __init__(self, folder: str, servers: tuple[str, ...]) -> None:
         self.folder = folder
-        self.here = host_name()
-        self.boot = boot_id()
+        self.servers = frozenset(servers)
+        self.here = Place.here()
         started = process_start_time(os.getpid()) or 0
-        self.claim = f"{CLAIM_MARK}{self.here}.{os.getpid()}.{started}"
+        self.claim = f"{CLAIM_MARK}{self.here.host}.{self.here.pid_ns}.{os.getpid()}.{started}"
 
     def candidates(self, now: float) -> list[tuple[str, Record]]:
-        """Claim every record whose owner is gone; its (claimed path, record). Bad records are moved aside."""
+        """Claim every trusted record whose owner is gone; its (claimed path, record).
+
+        Bad records are moved aside; records another user could have written, or that name a
+        server this ``recover`` was not given, are left where they are, with a warning.
+        """
         claimed = []
         for name in sorted(os.listdir(self.folder)):
             path = os.path.join(self.folder, name)
@@ -143,25 +230,42 @@ class _Ledger:
                 original = name
             else:
                 continue
-            try:
-                record = read_record(path)
-            except BadRecord as exc:
-                self._set_aside(path, str(exc))
-                continue
-            if CLAIM_MARK not in name and not record.owner_gone(self.here, self.boot, now):
-                continue  # a live trainer's record: left alone
+            record = self._usable(path)
+            if record is None or (CLAIM_MARK not in name and not record.owner_gone(self.here, now)):
+                continue  # unusable, or a live trainer's record: left alone
             mine = os.path.join(self.folder, original + self.claim)
             try:
                 os.rename(path, mine)  # atomic: of two recovers, one wins and the other finds nothing
             except FileNotFoundError:
                 continue
-            try:
-                claimed.append((mine, read_record(mine)))  # as it was when claimed: the latest ids
-            except BadRecord as exc:
-                self._set_aside(mine, str(exc))
+            record = self._usable(mine)  # as it was when claimed: the latest ids
+            if record is not None:
+                claimed.append((mine, record))
+            elif os.path.exists(mine):
+                with contextlib.suppress(OSError):
+                    os.rename(mine, os.path.join(self.folder, original))
         return claimed
 
-    def _set_aside(self, path: str, why: str) -> None:
+    def _usable(self, path: str) -> Record | None:
+        """The record at ``path`` if it may be flushed by this ``recover``; else None, said once."""
+        try:
+            record = read_record(path)
+        except UntrustedRecord as exc:
+            log.warning("ledger record %s %s; left alone", shown(os.path.basename(path)), exc)
+            return None
+        except BadRecord as exc:
+            self._set_aside(path, str(exc))
+            return None
+        foreign = [url for url in record.urls if url not in self.servers]
+        if foreign:
+            log.warning("ledger record %s names %d server(s) recover was not given (%s); left alone: a "
+                        "bearer goes only to the servers the recovering side names", shown(os.path.basename(path)),
+                        len(foreign), redact_url(foreign[0]))
+            return None
+        return record
+
+    def _set_aside(self, path: str, why: str) -> str:
+        """Move ``path`` to ``*.bad`` with one warning; the name it now has."""
         name = os.path.basename(path).partition(CLAIM_MARK)[0]
         aside = os.path.join(self.folder, name + BAD_SUFFIX)
         try:
@@ -170,73 +274,106 @@ class _Ledger:
             aside = path
         log.warning("ledger record %s %s; moved aside to %s", shown(os.path.basename(path)), why,
                     shown(os.path.basename(aside)))
+        return os.path.basename(aside)
 
-    def settle(self, claimed: list[tuple[str, Record]], report: FlushReport) -> None:
-        """Remove each claimed record whose pairs all flushed; give the others back for a later recover."""
+    def settle(self, claimed: list[tuple[str, Record]], report: FlushReport) -> list[str]:
+        """Remove each claimed record whose pairs all flushed (move it aside when some of its ids were
+        set aside); give the others back for a later recover. What was set aside, one line a record."""
         ok = {(result.server_url, result.instance_id) for result in report.results if result.ok}
+        set_aside = []
         for path, record in claimed:
+            original = path.partition(self.claim)[0]
             try:
-                if all((url, instance_id) in ok for url in record.urls for instance_id in record.ids):
+                if not all((url, instance_id) in ok for url in record.urls for instance_id in record.ids):
+                    os.rename(path, original)
+                elif record.set_aside is None:
                     os.unlink(path)
                 else:
-                    os.rename(path, path.partition(self.claim)[0])
+                    aside = self._set_aside(path, record.set_aside)
+                    set_aside.append(f"ledger record {shown(os.path.basename(original))}: {record.set_aside}, "
+                                     f"kept as {shown(aside)}")
             except OSError as exc:
                 log.warning("ledger record %s could not be settled: %s", shown(os.path.basename(path)),
                             exc.strerror or type(exc).__name__)
+        return set_aside
 
 
-def recover(ledger: str, *, environ: Mapping[str, str] | None = None,
+def recover(ledger: str, *, servers: str | Iterable[str] | None = None, environ: Mapping[str, str] | None = None,
             **options: Unpack[RecoverOptionKwargs]) -> FlushReport:
     """Flush the ids of every trainer in ``ledger`` that is gone; remove the records that flushed.
 
     Call it at start-up, before arming the watchdog, with the ledger on storage that outlives the
-    pod (the checkpoint volume). An owner is gone when, on this host and boot, its pid is dead or
-    another process; elsewhere, when its heartbeat is older than three intervals (30 s by
-    default). Records of live owners are left alone. The pairs of every gone record are flushed
-    in one parallel call (until idle by default); a record whose pairs all flushed is removed,
-    the others stay for the next ``recover``. Two recovers at once never flush the same record
-    (each claims a record by renaming it). A record that cannot be read is moved aside to
-    ``*.bad`` with one warning naming the file.
+    pod (the checkpoint volume). The bearer (from ``environ``) goes only to ``servers``: a record
+    naming any other server is left where it is, with a warning, since whoever wrote the file
+    would otherwise get the secret. The ledger directory must be owned by this user (or root) and
+    writable by no one else, as must each record (OpenSSH's StrictModes rules); a record that
+    fails them is left alone with a warning.
+
+    An owner is gone when, in this host, boot and PID namespace, its trainer is dead (a zombie
+    not yet reaped counts as dead) and its watchdog is not alive to flush it; anywhere else (another
+    host, another container on this host), when its heartbeat is older than three intervals (30 s
+    by default). Records of live owners are left alone. The pairs of every gone record are flushed
+    in one parallel call (until idle by default); a record whose pairs all flushed is removed, the
+    others stay for the next ``recover``. Two recovers at once never flush the same record (each
+    claims a record by renaming it). A record that cannot be read is moved aside to ``*.bad``
+    with one warning naming the file; ids in a record that no flush can take (not text, blank, or
+    longer than 1,024 characters) are set aside the same way after its other ids flushed, and
+    said in ``report.error``.
 
     Args:
         ledger: the ledger directory. Missing or empty: nothing to do.
-        environ: the environment to read the bearer from instead of ``os.environ`` (the records
-            hold none).
+        servers: the agent server URLs a record may name (a str, comma-separated, or a list);
+            default: the environment's (``AGENT_SERVER_URL``, else ``SWE_AGENT_URL``).
+        environ: the environment to read the servers and bearer from instead of ``os.environ``
+            (the records hold no secret).
         **options: as for ``abort`` but ``linger`` and ``ledger``; ``until_idle`` defaults to True.
 
     Returns:
         The ``FlushReport`` of every pair flushed (empty when nothing was to do). A ledger that
-        cannot be listed is reported in ``report.error``.
+        cannot be listed or may not be trusted, and ids set aside, are in ``report.error`` (so
+        ``report.ok`` is False).
 
     Raises:
-        ConfigError: ``ledger`` is not a path, or a bad option. Never for a bad ledger.
+        ConfigError: ``ledger`` is not a path, no server is named, or a bad option. Never for a
+            bad ledger.
 
     Example:
-        >>> recover("/checkpoints/swe-flush-ledger").ok  # doctest: +SKIP
+        >>> recover("/checkpoints/swe-flush-ledger", servers="http://agent:8000").ok  # doctest: +SKIP
     """
     if not isinstance(ledger, str) or not ledger.strip() or "\0" in ledger:
         raise ConfigError("ledger must be a directory path (a non-empty str)")
     options.setdefault("until_idle", True)
     flush_options = FlushOptions(**options, linger=0.0)
+    env = os.environ if environ is None else environ
+    urls = normalize_server_urls(servers, "servers") if servers is not None else resolve_server_urls(env)
+    if not urls:
+        raise ConfigError(f"recover: no agent server named (pass servers= or set {' or '.join(URL_ENV_VARS)}); "
+                          "a server read from a ledger record never gets a bearer")
     started = time.monotonic()
     if not os.path.isdir(ledger):
         return FlushReport(elapsed=time.monotonic() - started)
+    problem = directory_problem(ledger)
+    if problem is not None:
+        return _logged(FlushReport(elapsed=time.monotonic() - started,
+                                   error=f"the ledger directory {shown(ledger)} {problem}: nothing in it was "
+                                         "flushed or moved"))
     try:
-        book = _Ledger(ledger)
+        book = _Ledger(ledger, urls)
         claimed = book.candidates(time.time())
     except OSError as exc:
-        report = FlushReport(elapsed=time.monotonic() - started,
-                             error=f"the ledger cannot be read: {exc.strerror or type(exc).__name__}")
-        log_report(report)
-        return report
+        return _logged(FlushReport(elapsed=time.monotonic() - started,
+                                   error=f"the ledger cannot be read: {exc.strerror or type(exc).__name__}"))
     if not claimed:
         return FlushReport(elapsed=time.monotonic() - started)
     if flush_options.bearer_provider is None:
-        flush_options = dataclasses.replace(flush_options, bearer=resolve_bearer(os.environ if environ is None
-                                                                                 else environ))
+        flush_options = dataclasses.replace(flush_options, bearer=resolve_bearer(env))
     report = _flush_records([record for _, record in claimed], flush_options)
-    book.settle(claimed, report)
-    report = FlushReport(results=report.results, elapsed=time.monotonic() - started)
+    set_aside = book.settle(claimed, report)
+    return _logged(FlushReport(results=report.results, elapsed=time.monotonic() - started,
+                               error="; ".join(set_aside) or None))
+
+
+def _logged(report: FlushReport) -> FlushReport:
     log_report(report)
     return report
 

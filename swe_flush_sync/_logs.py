@@ -67,18 +67,19 @@ def urllib3_silenced() -> Iterator[None]:
 def log_report(report: FlushReport) -> None:
     """One WARNING per (server, cause) with a count and a few ids, per-pair DEBUG, one INFO.
 
-    A report whose ``error`` stopped the flush gets one WARNING saying why.
+    A report whose ``error`` stopped the flush gets one WARNING saying why; an error beside
+    results (ids ``recover`` set aside) is in the summary, at WARNING.
     """
     try:
-        if report.error is not None:
-            log.warning("abort did not flush: %s", shown(report.error))
+        if report.error is not None and not report.results:
+            log.warning("did not flush: %s", shown(report.error))
             return
         if log.isEnabledFor(logging.WARNING):
             _log_failures(report)
         if log.isEnabledFor(logging.DEBUG):
             for result in report.results:
                 log.debug("%s", result)
-        log.info("%s", report.summary())
+        log.log(logging.INFO if report.error is None else logging.WARNING, "%s", report.summary())
     except Exception:  # noqa: BLE001 - a logging failure is not the trainer's
         pass
 

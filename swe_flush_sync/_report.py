@@ -60,7 +60,7 @@ class FlushReport:
             (requests go out interleaved across servers; the report keeps this order).
         elapsed: wall seconds the call took.
         error: a problem that stopped the flush before any pair ran (bad configuration in
-            ``abort``), else None.
+            ``abort``), or that ``recover`` met beside its results (ids set aside), else None.
 
     Example:
         >>> report = FlushReport(results=(), elapsed=0.0)
@@ -105,7 +105,7 @@ class FlushReport:
 
     def summary(self) -> str:
         """One line: what was flushed, what failed and why (first few)."""
-        if self.error is not None:
+        if self.error is not None and not self.results:
             return f"flush not run: {shown(self.error)}"
         failed = self.failed
         line = (
@@ -120,4 +120,6 @@ class FlushReport:
             listed = "; ".join(str(result) for result in failed[:_SHOWN_FAILURES])
             more = f"; and {len(failed) - _SHOWN_FAILURES} more" if len(failed) > _SHOWN_FAILURES else ""
             line += f"; {len(failed)} failed: {listed}{more}"
+        if self.error is not None:
+            line += f"; {shown(self.error)}"
         return line

@@ -26,6 +26,7 @@ from . import _watchdog_process
 from ._errors import ConfigError, FlushError
 from ._options import FlushOptions
 from ._resolve import URL_ENV_VARS, resolve_bearer, resolve_instance_ids, resolve_server_urls
+from ._trust import directory_problem
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -128,8 +129,11 @@ class Watchdog:
                         "until_idle": options.until_idle, "ca_bundle": _absolute(options.ca_bundle),
                         "client_cert": _absolute(options.client_cert)},  # paths: the watchdog runs in /
         }
+        message = json.dumps({"state": state}).encode() + b"\n"
+        if len(message) > _watchdog_process.MAX_STATE_BYTES:
+            raise ConfigError(f"watchdog: {len(ids)} ids make a state over {_watchdog_process.MAX_STATE_BYTES} bytes")
         self._pairs = frozenset((url, instance_id) for url in urls for instance_id in ids)
-        return json.dumps({"state": state}).encode() + b"\n"
+        return message
 
     def _send(self, message: bytes) -> None:
         """Write ``message`` without blocking the trainer for more than ``SEND_TIMEOUT``; what the pipe
@@ -242,7 +246,11 @@ def _tokens(provider: Any, ids: tuple[str, ...]) -> dict[str, str]:
 
 
 def _ledger_folder(ledger: str | None, environ: Mapping[str, str]) -> str | None:
-    """The ledger directory (argument, else ``SWE_FLUSH_LEDGER``), created; None when neither is set."""
+    """The ledger directory (argument, else ``SWE_FLUSH_LEDGER``), created with mode 0700 if missing
+    (an existing one's mode is never changed); None when neither is set.
+
+    A directory another user owns or may write is refused: ``recover`` would not trust it.
+    """
     folder = ledger if ledger is not None else (environ.get(LEDGER_ENV_VAR) or "").strip() or None
     if folder is None:
         return None
@@ -251,6 +259,10 @@ def _ledger_folder(ledger: str | None, environ: Mapping[str, str]) -> str | None
         os.makedirs(folder, mode=0o700, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"{source}: cannot create the directory: {exc.strerror or exc}") from None
+    problem = directory_problem(folder)
+    if problem is not None:
+        raise ConfigError(f"{source}: the directory {problem}; recover() would not trust its records "
+                          "(make it owned by this user and writable by no one else)")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ConfigError(f"{source}: the directory is not writable")
     return os.path.abspath(folder)

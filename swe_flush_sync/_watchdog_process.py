@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 RECORD_VERSION: Final = 1
+MAX_STATE_BYTES: Final = 64 << 20  # a control line, and so a ledger record (smaller), is at most this long
 RECORD_SUFFIX: Final = ".json"
 ARMED: Final = b"armed"
 IGNORED_SIGNALS: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -55,8 +56,17 @@ def boot_id() -> str | None:
         return None
 
 
+def pid_namespace() -> int | None:
+    """The inode of this process's PID namespace: pids mean something only inside one. None without /proc."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
 def process_start_time(pid: int) -> int | None:
-    """When process ``pid`` started (clock ticks since boot), None if it does not exist (or no /proc)."""
+    """When the live process ``pid`` started (clock ticks since boot); None if it does not exist, is
+    a zombie nobody has reaped yet or is dying (states Z and X: as dead as it will get), or no /proc."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as handle:
             stat = handle.read()
@@ -65,6 +75,8 @@ def process_start_time(pid: int) -> int | None:
     # The command name (field 2) may hold spaces and parentheses: count fields after its last ')'.
     fields = stat.rpartition(b")")[2].split()
     try:
+        if fields[0] in (b"Z", b"X", b"x"):  # field 3, the state
+            return None
         return int(fields[19])  # field 22 of the whole line
     except (IndexError, ValueError):
         return None
@@ -109,6 +121,8 @@ class _RecordKeeper:
         self._started = process_start_time(trainer_pid)
         self._pid = trainer_pid
         self._boot = boot_id()
+        self._namespace = pid_namespace()  # the trainer's too: it started us
+        self._watchdog = {"watchdog_pid": os.getpid(), "watchdog_start_time": process_start_time(os.getpid())}
         self.path = os.path.join(folder, record_file_name(self._host, trainer_pid, self._started, os.getpid()))
         self._state: Mapping[str, Any] = {}
 
@@ -118,8 +132,8 @@ class _RecordKeeper:
             self._state = state
         record = {"version": RECORD_VERSION, "urls": list(self._state.get("urls", ())),
                   "ids": list(self._state.get("ids", ())), "host": self._host, "pid": self._pid,
-                  "start_time": self._started, "boot_id": self._boot, "heartbeat": time.time(),
-                  "heartbeat_interval": self.heartbeat}
+                  "start_time": self._started, "boot_id": self._boot, "pid_ns": self._namespace, **self._watchdog,
+                  "heartbeat": time.time(), "heartbeat_interval": self.heartbeat}
         write_atomically(self.path, json.dumps(record).encode())
 
     def remove(self) -> None:

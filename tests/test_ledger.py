@@ -30,13 +30,22 @@ def records(folder: Path) -> list[Path]:
 
 
 def write_record(folder: Path, name: str, ids: list[object], url: str, *, host: str = "elsewhere",
-                 heartbeat_age: float = 3600.0, pid: int = 1, start_time: int | None = 1) -> Path:
-    """A record as a watchdog on another machine would have left it (written here by hand)."""
+                 heartbeat_age: float = 3600.0, pid: int = 1, start_time: int | None = 1, **more: object) -> Path:
+    """A record as a watchdog on another machine would have left it (written here by hand); ``more``
+    adds or replaces fields (``boot_id``, ``pid_ns``, ``watchdog_pid``, ...)."""
     path = folder / f"{name}.json"
     path.write_text(json.dumps({
         "version": 1, "urls": [url], "ids": ids, "host": host, "pid": pid, "start_time": start_time,
-        "boot_id": "another-boot", "heartbeat": time.time() - heartbeat_age, "heartbeat_interval": 10.0}))
+        "boot_id": "another-boot", "heartbeat": time.time() - heartbeat_age, "heartbeat_interval": 10.0, **more}))
+    path.chmod(0o600)
     return path
+
+
+def here() -> dict[str, object]:
+    """The record fields that place a process in this host, boot and PID namespace."""
+    with open("/proc/sys/kernel/random/boot_id") as handle:
+        boot = handle.read().strip()
+    return {"host": socket.gethostname(), "boot_id": boot, "pid_ns": os.stat("/proc/self/ns/pid").st_ino}
 
 
 def test_a_lost_pod_is_recovered_once(stub: AgentServerStub, tmp_path: Path) -> None:
@@ -58,12 +67,12 @@ def test_a_lost_pod_is_recovered_once(stub: AgentServerStub, tmp_path: Path) -> 
     time.sleep(0.3)
     assert stub.requests == [] and [stub.trials(i) for i in IDS] == [2, 2, 2]  # nothing flushed them
 
-    report = recover(str(tmp_path), environ=ENV, until_idle=False)
+    report = recover(str(tmp_path), servers=stub.url, environ=ENV, until_idle=False)
     assert report.ok and report.cancelled == 6 and sorted(r.instance_id for r in report.results) == sorted(IDS)
     assert Counter(stub.flushed_ids()) == dict.fromkeys(IDS, 1)
     assert records(tmp_path) == [] and list(tmp_path.iterdir()) == []
 
-    again = recover(str(tmp_path), environ=ENV)
+    again = recover(str(tmp_path), servers=stub.url, environ=ENV)
     assert again.ok and again.results == ()
     assert len(stub.requests) == len(IDS)
 
@@ -82,7 +91,7 @@ def test_recover_leaves_queued_runs_of_a_dead_trainer_nothing(stub_factory: Call
     os.kill(pid, signal.SIGKILL)
     trainer.proc.kill()
     trainer.death()
-    report = recover(str(tmp_path), environ=ENV)  # until idle by default
+    report = recover(str(tmp_path), servers=server.url, environ=ENV)  # until idle by default
     assert report.ok and report.cancelled == 12 and all(result.idle for result in report.results)
     assert [server.trials(i) for i in IDS] == [0, 0, 0] and server.waiting() == 0
     assert records(tmp_path) == []
@@ -96,7 +105,7 @@ def test_live_owners_are_left_alone(stub: AgentServerStub, tmp_path: Path) -> No
     trainer.armed()
     fresh = write_record(tmp_path, "fresh", ["far-fresh"], stub.url, heartbeat_age=5)
     stale = write_record(tmp_path, "stale", ["far-stale"], stub.url, heartbeat_age=31)
-    report = recover(str(tmp_path), environ=ENV)
+    report = recover(str(tmp_path), servers=stub.url, environ=ENV)
     assert report.ok and stub.flushed_ids() == ["far-stale"]
     assert fresh.exists() and not stale.exists() and len(records(tmp_path)) == 2  # the live trainer's and fresh
     trainer.proc.kill()  # the trainer's watchdog flushes, and removes its record
@@ -108,19 +117,11 @@ def test_live_owners_are_left_alone(stub: AgentServerStub, tmp_path: Path) -> No
 def test_a_dead_pid_on_this_host_is_gone(stub: AgentServerStub, tmp_path: Path) -> None:
     dead = spawn([PYTHON, "-c", "pass"])
     dead.wait()
-    with open("/proc/sys/kernel/random/boot_id") as handle:
-        boot = handle.read().strip()
-    record = write_record(tmp_path, "dead", ["dead-pid"], stub.url, host=socket.gethostname(), heartbeat_age=0,
-                          pid=dead.pid, start_time=123)
-    data = json.loads(record.read_text())
-    data["boot_id"] = boot
-    record.write_text(json.dumps(data))
-    mine = write_record(tmp_path, "mine", ["my-own"], stub.url, host=socket.gethostname(), heartbeat_age=0,
-                        pid=os.getpid(), start_time=_start_time(os.getpid()))
-    data = json.loads(mine.read_text())
-    data["boot_id"] = boot
-    mine.write_text(json.dumps(data))
-    report = recover(str(tmp_path), environ=ENV)
+    write_record(tmp_path, "dead", ["dead-pid"], stub.url, heartbeat_age=0, pid=dead.pid, start_time=123,
+                 **here())
+    mine = write_record(tmp_path, "mine", ["my-own"], stub.url, heartbeat_age=0, pid=os.getpid(),
+                        start_time=_start_time(os.getpid()), **here())
+    report = recover(str(tmp_path), servers=stub.url, environ=ENV)
     assert report.ok and stub.flushed_ids() == ["dead-pid"] and records(tmp_path) == [mine]
 
 
@@ -147,7 +148,7 @@ def test_a_failed_watchdog_flush_keeps_the_record(stub_factory: Callable[..., Ag
     del pid
 
     back = stub_factory(secret=SECRET, port=port)
-    report = recover(str(tmp_path), environ=ENV)
+    report = recover(str(tmp_path), servers=back.url, environ=ENV)
     assert report.ok and sorted(back.flushed_ids()) == sorted(IDS) and records(tmp_path) == []
 
 
@@ -156,12 +157,12 @@ def test_a_recover_that_fails_gives_the_record_back(stub_factory: Callable[..., 
     server = stub_factory(secret=SECRET)
     write_record(tmp_path, "lost", ["lost-a", "lost-b"], server.url)
     server.fault("lost-b", statuses=[503] * 10)
-    report = recover(str(tmp_path), environ=ENV, retries=0)
+    report = recover(str(tmp_path), servers=server.url, environ=ENV, retries=0)
     assert not report.ok and [path.name for path in records(tmp_path)] == ["lost.json"]
-    report = recover(str(tmp_path), environ=ENV, retries=0)
+    report = recover(str(tmp_path), servers=server.url, environ=ENV, retries=0)
     assert not report.ok
     server.fault("lost-b", statuses=[])
-    report = recover(str(tmp_path), environ=ENV)
+    report = recover(str(tmp_path), servers=server.url, environ=ENV)
     assert report.ok and records(tmp_path) == [] and list(tmp_path.iterdir()) == []
 
 
@@ -169,7 +170,7 @@ def test_two_recovers_at_once_flush_each_record_once(stub: AgentServerStub, tmp_
     ids = [f"many-{index}" for index in range(40)]
     for index in range(20):
         write_record(tmp_path, f"r{index:02d}", ids[2 * index:2 * index + 2], stub.url)
-    env = subprocess_env(HARBOR_ADMIN_SECRET=SECRET)
+    env = subprocess_env(HARBOR_ADMIN_SECRET=SECRET, AGENT_SERVER_URL=stub.url)
     command = [PYTHON, "-m", "swe_flush_sync", "recover", str(tmp_path), "--json"]
     both = [spawn(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) for _ in range(2)]
     outputs = [proc.communicate(timeout=60) for proc in both]
@@ -191,10 +192,16 @@ def test_bad_records_are_moved_aside_and_the_rest_recovered(stub: AgentServerStu
     (tmp_path / "binary.json").write_bytes(b"\xff\xfe\x00garbage")
     (tmp_path / "notes.txt").write_text("not a record: ignored")
     with caplog.at_level("WARNING", logger="swe_flush_sync"):
-        report = recover(str(tmp_path), environ=ENV)
-    assert report.ok and stub.flushed_ids() == ["fine"] and not good.exists()
+        report = recover(str(tmp_path), servers=[stub.url, "ftp://nope".replace("ftp", "http")], environ=ENV)
+    assert stub.flushed_ids() == ["fine"] and not good.exists()
+    assert [result.instance_id for result in report.results if result.ok] == ["fine"]
+    # records whose ids no flush can take: set aside once the rest flushed, and said in the report
+    assert not report.ok and report.error is not None
+    assert "huge.json" in report.error and "number.json" in report.error and "corrupt" not in report.error
     bad = ["badurl", "binary", "corrupt", "huge", "number", "unreadable"]
-    warnings = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+    warnings = [record.getMessage() for record in caplog.records
+                if record.levelname == "WARNING" and "ledger record" in record.getMessage()
+                and "moved aside" in record.getMessage()]
     assert len(warnings) == len(bad)
     for name in bad:
         assert (tmp_path / f"{name}.json.bad").exists()
@@ -257,13 +264,18 @@ def test_the_environment_names_the_ledger(stub: AgentServerStub, tmp_path: Path,
 
 
 def test_nothing_to_do_and_bad_arguments(tmp_path: Path) -> None:
-    assert recover(str(tmp_path / "missing")).results == ()
-    assert recover(str(tmp_path)).results == ()
+    named = "http://127.0.0.1:9"
+    assert recover(str(tmp_path / "missing"), servers=named).results == ()
+    assert recover(str(tmp_path), environ={"AGENT_SERVER_URL": named}).results == ()
     for bad in ("", 42, None):
         with pytest.raises(ConfigError, match="ledger"):
-            recover(bad)  # type: ignore[arg-type]
+            recover(bad, servers=named)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="deadline"):
-        recover(str(tmp_path), deadline=-1)
+        recover(str(tmp_path), servers=named, deadline=-1)
+    with pytest.raises(ConfigError, match="no agent server named"):
+        recover(str(tmp_path), environ=ENV)  # a secret but no server: never trust a record's URL with it
+    with pytest.raises(ConfigError, match="servers"):
+        recover(str(tmp_path), servers="ftp://nope")
     with pytest.raises(TypeError):
         recover(str(tmp_path), linger=1)  # type: ignore[call-arg]
     blocker = tmp_path / "file"
@@ -275,14 +287,19 @@ def test_nothing_to_do_and_bad_arguments(tmp_path: Path) -> None:
 
 def test_cli_recover(stub: AgentServerStub, tmp_path: Path) -> None:
     write_record(tmp_path, "cli", ["cli-a", "cli-b"], stub.url)
-    env = subprocess_env(HARBOR_ADMIN_SECRET=SECRET)
+    env = subprocess_env(HARBOR_ADMIN_SECRET=SECRET, AGENT_SERVER_URL=stub.url)
     ok = subprocess.run([PYTHON, "-m", "swe_flush_sync", "recover", str(tmp_path), "--json"], capture_output=True,
                         text=True, env=env, timeout=60)
     assert ok.returncode == 0 and json.loads(ok.stdout)["ok"] and sorted(stub.flushed_ids()) == ["cli-a", "cli-b"]
     write_record(tmp_path, "down", ["down-a"], "http://127.0.0.1:9")
     failed = subprocess.run([PYTHON, "-m", "swe_flush_sync", "recover", str(tmp_path), "--deadline", "1",
-                             "--retries", "0"], capture_output=True, text=True, env=env, timeout=60)
+                             "--retries", "0", "--url", stub.url, "--url", "http://127.0.0.1:9"],
+                            capture_output=True, text=True, env=env, timeout=60)
     assert failed.returncode == 1 and "0/1 targets" in failed.stdout
+    no_server = subprocess.run([PYTHON, "-m", "swe_flush_sync", "recover", str(tmp_path)], capture_output=True,
+                               text=True, env=subprocess_env(HARBOR_ADMIN_SECRET=SECRET), timeout=60)
+    assert no_server.returncode == 2 and "no agent server named" in no_server.stderr
+    assert "Traceback" not in no_server.stderr
     usage = subprocess.run([PYTHON, "-m", "swe_flush_sync", "recover"], capture_output=True, text=True, env=env,
                            timeout=60)
     assert usage.returncode == 2 and "Traceback" not in usage.stderr
