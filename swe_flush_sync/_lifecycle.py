@@ -192,7 +192,7 @@ def _abort_report(args: Any, environ: Mapping[str, str] | None, options: FlushOp
     """The report of one abort; never raises, never logs. ``hook``: a signal or exit hook (standby threads)."""
     started = time.monotonic()
     try:
-        refresh_watchdogs(args)  # first: a death during this flush leaves the watchdog the current ids
+        refresh_watchdogs(args, rearm=not hook)  # first: a death during this flush leaves the watchdog the ids
         env = os.environ if environ is None else environ
         urls = resolve_server_urls(env)
         if not urls:
@@ -256,6 +256,7 @@ def abort(args: Any, *, environ: Mapping[str, str] | None = None, **options: Unp
         report = FlushReport(error=str(exc))
     else:
         report = _abort_report(args, environ, flush_options, hook=False)
+    _State.flushed_on_signal = False  # the trainer goes on after a signal: its exit is not covered by that flush
     log_report(report)
     warn_lost_watchdogs()
     return report
@@ -282,7 +283,6 @@ def _hook_flush(args: Any, environ: Mapping[str, str] | None, options: FlushOpti
     with urllib3_silenced():
         abandon_all_in_flight("given up by the signal or exit hook")
         report = _abort_report(args, environ, options, hook=True)
-        disarm_flushed(report)  # every pair flushed: the watchdog must not flush them again
     _standby.run_bounded(lambda: _log_and_flush_stdio(report), _HOOK_LOG_TIMEOUT)
     return report
 
@@ -324,6 +324,8 @@ class SignalHook:
         self._holding = True  # the standby threads, held since flush_on_signal started them
         for signum in signals:
             self._previous[signum] = signal.signal(signum, self._handle)
+        if not register_at_thread_exit(self._disarm_at_exit):
+            atexit.register(self._disarm_at_exit)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if not self._flushed:
@@ -352,8 +354,17 @@ class SignalHook:
             previous(signum, frame)
             return
         # SIG_DFL, or a handler not set from Python: die of the signal, as the scheduler expects
+        if self.report is not None:
+            disarm_flushed(self.report)  # the process ends now: the watchdog must not flush these pairs again
         signal.signal(signum, signal.SIG_DFL)
         signal.raise_signal(signum)
+
+    def _disarm_at_exit(self) -> None:
+        """The process survived the signal (a graceful-stop handler, ``SIG_IGN``) and now ends: the
+        watchdog, kept armed meanwhile for a SIGKILL at the end of a grace period, need not flush the
+        pairs the signal flushed, unless an ``abort`` since says the trainer went on."""
+        if self.report is not None and _State.flushed_on_signal:
+            disarm_flushed(self.report)
 
     @property
     def installed(self) -> bool:
@@ -437,6 +448,7 @@ class ExitHook:
             return
         self._done = True
         self.report = _hook_flush(self._args, self._environ, self._options)
+        disarm_flushed(self.report)  # the process is ending: the watchdog must not flush these pairs again
         _standby.let_go()
 
     def uninstall(self) -> None:

@@ -10,6 +10,7 @@ exit hooks disarm the watchdogs whose pairs they flushed, so each pair is flushe
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ from . import _watchdog_process
 from ._errors import ConfigError, FlushError
 from ._options import FlushOptions
 from ._resolve import URL_ENV_VARS, resolve_bearer, resolve_instance_ids, resolve_server_urls
+from ._text import shown
 from ._trust import directory_problem
 
 if TYPE_CHECKING:
@@ -39,20 +41,74 @@ log = logging.getLogger(__name__)
 LEDGER_ENV_VAR: Final = "SWE_FLUSH_LEDGER"
 DEFAULT_HEARTBEAT: Final = 10.0  # seconds between two heartbeats of a ledger record
 ARM_TIMEOUT: Final = 10.0  # seconds arming waits for the watchdog to say it holds the ids
-SEND_TIMEOUT: Final = 0.5  # seconds a hand-over may wait for room in the pipe (a stopped watchdog)
+SEND_TIMEOUT: Final = 0.5  # seconds a hand-over may wait for room in the pipe and the watchdog's word
+REARM_INTERVAL: Final = 60.0  # seconds between two attempts of abort() to re-arm a watchdog that failed to start
 _HELPER: Final = _watchdog_process.__file__
+_DISARM: Final = b'{"disarm": true}\n'
 
-_lock = threading.RLock()  # re-entrant: a signal hook may disarm while abort() refreshes
-_armed: list[Watchdog] = []
-_lost_unsaid: list[Watchdog] = []  # ended before disarm(); abort() says so (the hooks log nothing)
+# Held only around non-blocking pipe I/O, never while user code (args getters, bearer providers,
+# logging) runs, so a signal hook never waits on it for long. Re-entrant: a signal hook may run
+# while the main thread holds it.
+_lock = threading.RLock()
+# Held while pipe ends exist that no Watchdog has taken yet; os.fork() waits for it (at-fork hook),
+# so a child forked by another thread meanwhile never keeps a write end open.
+_fork_lock = threading.RLock()
+_watchdogs: list[Watchdog] = []  # every watchdog not disarmed, lost ones included (abort re-arms them)
+_unsaid: list[str] = []  # warnings for the next abort() (the hooks log nothing)
+_open_ends: set[_Fd] = set()  # pipe ends of ours that are open: a forked child closes them
+
+
+class _Fd:
+    """A descriptor this process opened, with the identity it had: code that closes or reuses
+    descriptor numbers (``os.closerange``, a daemonizer) must never get our writes or closes."""
+
+    __slots__ = ("fd", "identity")
+
+    def __init__(self, fd: int) -> None:
+        if fd <= 2:  # stdio closed when we started: Popen would put /dev/null there in the child
+            moved = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
+            os.close(fd)
+            fd = moved
+        info = os.fstat(fd)
+        self.fd = fd
+        self.identity = (info.st_dev, info.st_ino)
+        _open_ends.add(self)
+
+    @classmethod
+    def pipe(cls) -> tuple[_Fd, _Fd]:
+        """A pipe (read end, write end), not inheritable, neither end on fd 0-2."""
+        read_end, write_end = os.pipe()
+        return cls(read_end), cls(write_end)
+
+    def ours(self) -> bool:
+        """Does the number still name what we opened?"""
+        try:
+            info = os.fstat(self.fd)
+        except OSError:
+            return False
+        return (info.st_dev, info.st_ino) == self.identity
+
+    def close(self) -> None:
+        """Close it if it is still ours; forget it either way."""
+        if self in _open_ends:
+            _open_ends.discard(self)
+            if self.ours():
+                with contextlib.suppress(OSError):
+                    os.close(self.fd)
+
+
+class _Lost(Exception):
+    """The watchdog process has ended, or our end of its pipes is no longer ours."""
 
 
 class Watchdog:
     """A watchdog process armed by ``watchdog()`` for one trainer ``args``.
 
     Attributes:
-        pid: the watchdog process's id.
+        pid: the watchdog process's id (a re-armed watchdog has a new one).
         ledger: the ledger directory its record is kept in, or None.
+        ledger_error: why the watchdog last failed to write its ledger record (a full volume,
+            the directory removed), None while it writes it; it keeps retrying every heartbeat.
     """
 
     def __init__(self, args: Any, environ: Mapping[str, str] | None, options: FlushOptions,
@@ -61,43 +117,51 @@ class Watchdog:
         self._environ = environ
         self._options = options
         self.ledger = ledger
+        self.ledger_error: str | None = None
         self.pid = 0
-        self._control: int | None = None  # write end of the control pipe: only this process holds it
-        self._ready: int | None = None  # read end of the ready pipe: end-of-file when the watchdog ends
-        self._sent = b""
-        self._unsent = bytearray()
+        self._control: _Fd | None = None  # write end of the control pipe: only this process holds it
+        self._ready: _Fd | None = None  # read end of the ready pipe: the watchdog's word, end-of-file at its end
+        self._inbox = b""  # a line of the watchdog's not read whole yet
+        self._outbox = bytearray()  # what is still to be written: at most the end of a cut line and one message
+        self._cut = False  # the outbox starts in the middle of a line
+        self._payload = b""  # the state last queued
+        self._seq = 0  # its number
+        self._held = 0  # the number of the newest state the watchdog said it holds whole
         self._pairs: frozenset[tuple[str, str]] = frozenset()
+        self._disarmed = False
+        self._lost = False
+        self._rearm_after = 0.0
 
     @property
     def armed(self) -> bool:
-        """True until ``disarm()``, and while the watchdog process lives."""
+        """True while the watchdog process lives and has said it holds the newest state whole."""
         with _lock:
-            if self._ready is None:
-                return False
-            readable, _, _ = select.select([self._ready], [], [], 0)
-            if readable and not os.read(self._ready, 64):
-                self._lost()
-                return False
-            return True
+            return self._talk() and self._held == self._seq and not self._outbox
 
     def refresh(self) -> bool:
-        """Read the ids (and servers and bearers) again and hand them over if they changed.
+        """Read the ids (and servers and bearers) again and hand them over if they changed, or if the
+        last state could not be handed over whole (a stopped watchdog). Waits up to half a second for
+        room in the pipe and the watchdog's word, but only when the watchdog had the state before.
 
         Returns:
-            True when something new was handed over; False when nothing changed (nothing is
-            written) or the watchdog is no longer armed.
+            True when a new state was handed over and the watchdog said it holds it whole; False
+            when nothing changed, it could not be confirmed yet (the next call goes on), or the
+            watchdog is no longer armed.
 
         Raises:
             ConfigError: ``args`` or the environment holds a bad value.
         """
+        payload, pairs = self._state()  # user code: no lock held
         with _lock:
-            if self._control is None:
+            if not self._talk():
                 return False
-            message = self._state_message()
-            if message == self._sent:
+            caught_up = self._held == self._seq and not self._outbox
+            if payload != self._payload:
+                self._queue(payload, pairs)
+            elif caught_up:
                 return False
-            self._send(message)
-            return True
+            self._talk()
+        return self._confirm(SEND_TIMEOUT if caught_up else 0.0)
 
     def disarm(self) -> None:
         """Let the watchdog exit without flushing (within a second); its ledger record is removed.
@@ -106,15 +170,21 @@ class Watchdog:
         not read its pipe (stopped, hung) is killed instead, and its ledger record stays.
         """
         with _lock:
+            self._disarmed = True
+            if self in _watchdogs:
+                _watchdogs.remove(self)
             if self._control is None:
                 return
-            self._send(b'{"disarm": true}\n')
-            if self._unsent:  # a stopped or hung watchdog that the pipe cannot reach must not flush later
+            self._outbox[:] = (b"\n" if self._cut else b"") + _DISARM  # replaces any state not yet sent
+            self._cut = False
+            alive = self._talk()
+            if alive and self._outbox and self.pid:  # it cannot be reached: it must not flush later
                 os.kill(self.pid, signal.SIGKILL)  # still ours: its end of the ready pipe is open
             self._close()
 
-    def _state_message(self) -> bytes:
-        """The control line with everything the watchdog needs to flush now."""
+    # -- the pipes ---------------------------------------------------------------------------
+    def _state(self) -> tuple[bytes, frozenset[tuple[str, str]]]:
+        """The state the watchdog needs to flush now, and its pairs. Runs user code: no lock held."""
         env = os.environ if self._environ is None else self._environ
         urls = resolve_server_urls(env)
         ids = resolve_instance_ids(self._args)
@@ -129,100 +199,168 @@ class Watchdog:
                         "until_idle": options.until_idle, "ca_bundle": _absolute(options.ca_bundle),
                         "client_cert": _absolute(options.client_cert)},  # paths: the watchdog runs in /
         }
-        message = json.dumps({"state": state}).encode() + b"\n"
-        if len(message) > _watchdog_process.MAX_STATE_BYTES:
+        payload = json.dumps(state).encode()
+        if len(payload) > _watchdog_process.MAX_STATE_BYTES:
             raise ConfigError(f"watchdog: {len(ids)} ids make a state over {_watchdog_process.MAX_STATE_BYTES} bytes")
-        self._pairs = frozenset((url, instance_id) for url in urls for instance_id in ids)
-        return message
+        return payload, frozenset((url, instance_id) for url in urls for instance_id in ids)
 
-    def _send(self, message: bytes) -> None:
-        """Write ``message`` without blocking the trainer for more than ``SEND_TIMEOUT``; what the pipe
-        cannot take yet is written before the next message."""
-        assert self._control is not None
-        self._sent = message
-        self._unsent += message
-        give_up_at = time.monotonic() + SEND_TIMEOUT
-        while self._unsent:
+    def _queue(self, payload: bytes, pairs: frozenset[tuple[str, str]]) -> None:
+        """Make ``payload`` the next state to write, in place of any not written yet (a cut line is ended)."""
+        self._seq += 1
+        self._payload, self._pairs = payload, pairs
+        message = b'{"seq": %d, "state": %s}\n' % (self._seq, payload)
+        self._outbox[:] = (b"\n" if self._cut else b"") + message
+        self._cut = False
+
+    def _talk(self) -> bool:
+        """Read what the watchdog said and write what the pipe takes, without blocking; False when lost."""
+        if self._control is None or self._ready is None:
+            return False
+        try:
+            self._read_word(self._ready)
+            self._write_outbox(self._control)
+        except _Lost:
+            self._forget_lost()
+            return False
+        return True
+
+    def _read_word(self, ready: _Fd) -> None:
+        if not ready.ours():
+            raise _Lost
+        while True:
             try:
-                written = os.write(self._control, self._unsent)
+                chunk = os.read(ready.fd, 4096)
             except BlockingIOError:
-                left = give_up_at - time.monotonic()
-                if left <= 0 or not select.select([], [self._control], [], left)[1]:
-                    return
-                continue
-            except OSError:  # EPIPE: the watchdog is gone
-                self._lost()
-                return
-            del self._unsent[:written]
+                break
+            except OSError:
+                raise _Lost from None
+            if not chunk:
+                raise _Lost
+            self._inbox += chunk
+        *lines, self._inbox = self._inbox.split(b"\n")
+        for line in lines:
+            word, _, rest = line.partition(b" ")
+            if word == _watchdog_process.HELD:
+                seq, _, pid = rest.partition(b" ")
+                if seq.isdigit() and pid.isdigit():
+                    self._held, self.pid = max(self._held, int(seq)), int(pid)
+            elif word == _watchdog_process.LEDGER:
+                error = None if rest == b"ok" else rest.decode("utf-8", "replace")
+                if error is not None and error != self.ledger_error:
+                    _unsaid.append(f"the watchdog (pid {self.pid}) cannot write its ledger record in "
+                                   f"{shown(self.ledger or '')}: {shown(error)}; recover() elsewhere may take this "
+                                   "trainer for gone (it keeps trying every heartbeat)")
+                self.ledger_error = error
 
-    def _lost(self) -> None:
-        _lost_unsaid.append(self)
+    def _write_outbox(self, control: _Fd) -> None:
+        while self._outbox:
+            if not control.ours():
+                raise _Lost
+            try:
+                written = os.write(control.fd, self._outbox)
+            except BlockingIOError:
+                return
+            except OSError:  # EPIPE: the watchdog is gone
+                raise _Lost from None
+            self._cut = written < len(self._outbox) and self._outbox[written - 1:written] != b"\n"
+            del self._outbox[:written]
+
+    def _confirm(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the outbox to be written and the newest state held; True if it is."""
+        give_up_at = time.monotonic() + timeout
+        while True:
+            with _lock:
+                if not self._talk():
+                    return False
+                if self._held == self._seq and not self._outbox:
+                    return True
+                assert self._control is not None and self._ready is not None  # _talk() says so
+                waits = ([self._ready.fd], [self._control.fd] if self._outbox else [])
+            left = give_up_at - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                select.select(*waits, [], left)
+            except (OSError, ValueError):  # closed meanwhile by disarm() in another thread
+                return False
+
+    def _forget_lost(self) -> None:
+        self._lost = True
         self._close()
 
     def _close(self) -> None:
-        for fd in (self._control, self._ready):
-            if fd is not None:
-                os.close(fd)
+        for end in (self._control, self._ready):
+            if end is not None:
+                end.close()
         self._control = self._ready = None
-        if self in _armed:
-            _armed.remove(self)
-
-    def _forget_in_child(self) -> None:
-        """In a forked child: close this process's copies at once; the child has no watchdog."""
-        for fd in (self._control, self._ready):
-            if fd is not None:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        self._control = self._ready = None
+        self._outbox.clear()
+        self._cut = False
 
     def _start(self) -> None:
-        """Start the watchdog process, hand it the state and wait until it says it holds it."""
+        """Start the watchdog process, hand it the state and wait until it says it holds it whole."""
         if not sys.executable:
             raise FlushError("cannot start a watchdog: sys.executable is unknown")
-        first = self._state_message()
-        control_read, self._control = os.pipe()
-        self._ready, ready_write = os.pipe()
+        payload, pairs = self._state()
+        try:
+            with _fork_lock:
+                control_read, control = _Fd.pipe()
+                ready, ready_write = _Fd.pipe()
+                os.set_blocking(control.fd, False)  # our ends only: each end is its own open file
+                os.set_blocking(ready.fd, False)
+        except OSError as exc:
+            raise FlushError(f"cannot start a watchdog: no pipe ({exc.strerror or exc})") from None
         command = [sys.executable, _HELPER, "--trainer-pid", str(os.getpid()),
-                   "--control-fd", str(control_read), "--ready-fd", str(ready_write)]
+                   "--control-fd", str(control_read.fd), "--ready-fd", str(ready_write.fd)]
+        with _lock:
+            self._control, self._ready, self._lost, self._held, self._inbox = control, ready, False, self._seq, b""
+            self._queue(payload, pairs)
+            if self._disarmed:  # by a signal hook while the pipes were made
+                self._close()
         # Blocked while it starts, so a Ctrl-C or TERM to the group meanwhile cannot kill it half-way.
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _watchdog_process.IGNORED_SIGNALS)
         try:
-            process = subprocess.Popen(command, pass_fds=(control_read, ready_write), stdin=subprocess.DEVNULL,
+            if self._control is None:
+                return
+            process = subprocess.Popen(command, pass_fds=(control_read.fd, ready_write.fd), stdin=subprocess.DEVNULL,
                                        stdout=subprocess.DEVNULL, cwd="/")
         except OSError as exc:
-            self._close()
+            with _lock:
+                self._close()
             raise FlushError(f"cannot start a watchdog process: {exc.strerror or exc}") from None
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-            os.close(control_read)
-            os.close(ready_write)
-        os.set_blocking(self._control, False)
-        self._send(first)
-        self.pid = self._read_ack()
+            control_read.close()
+            ready_write.close()
+        held = self._confirm(ARM_TIMEOUT)
         try:
             process.wait(ARM_TIMEOUT)  # the first process exits once it has forked: no zombie is left
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-        if not self.pid:
-            self._close()
+        if not held and not self._disarmed:
+            with _lock:
+                self._close()
             raise FlushError(f"the watchdog process did not start (exit status {process.returncode})")
 
-    def _read_ack(self) -> int:
-        """The watchdog's pid from its ``armed PID`` line; 0 if none came in time."""
-        assert self._ready is not None
-        data = b""
-        give_up_at = time.monotonic() + ARM_TIMEOUT
-        while not data.endswith(b"\n"):
-            left = give_up_at - time.monotonic()
-            if left <= 0 or not select.select([self._ready], [], [], left)[0]:
-                return 0
-            chunk = os.read(self._ready, 64)
-            if not chunk:
-                return 0
-            data += chunk
-        word, _, pid = data.strip().partition(b" ")
-        return int(pid) if word == _watchdog_process.ARMED and pid.isdigit() else 0
+    def _rearm(self) -> None:
+        """Start a new watchdog process for a lost one (by ``abort``); at most once a minute after a failure."""
+        if time.monotonic() < self._rearm_after:
+            return
+        ended = self.pid
+        try:
+            self._start()
+        except (FlushError, ConfigError) as exc:
+            self._rearm_after = time.monotonic() + REARM_INTERVAL
+            _unsaid.append(f"the watchdog process (pid {ended}) has ended and could not be re-armed ({exc}): a "
+                           f"hard death of this trainer flushes nothing; abort(args) tries again in "
+                           f"{REARM_INTERVAL:g} s")
+            return
+        _unsaid.append(f"the watchdog process (pid {ended}) had ended; re-armed as pid {self.pid}")
+
+    def _forget_in_child(self) -> None:
+        """In a forked child: the child has no watchdog (its copies are closed by the at-fork hook)."""
+        self._control = self._ready = None
+        self._disarmed = True
 
     def __repr__(self) -> str:
         return f"Watchdog(pid={self.pid}, armed={self.armed}, ledger={self.ledger!r})"
@@ -306,27 +444,39 @@ def watchdog(args: Any, *, environ: Mapping[str, str] | None = None,
     if not resolve_server_urls(env):
         raise ConfigError(f"watchdog: no agent server configured ({' and '.join(URL_ENV_VARS)} unset)")
     with _lock:
-        for armed in _armed:
-            if armed._args is args and armed.armed:
-                return armed
-        guard = Watchdog(args, environ, flush_options, _ledger_folder(flush_options.ledger, env))
+        known = [armed for armed in _watchdogs if armed._args is args]
+        guard = known[0] if known else Watchdog(args, environ, flush_options, _ledger_folder(flush_options.ledger, env))
+        if known and guard.armed:
+            return guard
+        if not known:
+            _watchdogs.append(guard)  # before it starts: a signal hook meanwhile can disarm it
+    try:
         guard._start()
-        _armed.append(guard)
-        return guard
+    except BaseException:
+        with _lock:
+            if guard in _watchdogs:
+                _watchdogs.remove(guard)
+        raise
+    return guard
 
 
-def refresh_watchdogs(args: Any) -> None:
-    """Hand the current ids of ``args`` to its armed watchdog, if any (cheap when unchanged)."""
-    for guard in [armed for armed in _armed if armed._args is args]:
+def refresh_watchdogs(args: Any, *, rearm: bool = True) -> None:
+    """Hand the current ids of ``args`` to its watchdogs, if any (cheap when unchanged); ``rearm``
+    (``abort``, not the hooks) starts a new process for one found ended."""
+    with _lock:
+        mine = [guard for guard in _watchdogs if guard._args is args]
+    for guard in mine:
+        if guard._lost or not guard._talk():
+            if rearm:
+                guard._rearm()
+            continue
         guard.refresh()
 
 
 def warn_lost_watchdogs() -> None:
-    """Log one warning for each watchdog found ended since the last call."""
-    while _lost_unsaid:
-        guard = _lost_unsaid.pop()
-        log.warning("the watchdog process (pid %d) has ended: a hard death of this trainer now flushes "
-                    "nothing; arm a new one with watchdog(args)", guard.pid)
+    """Log what the watchdogs said since the last call: ended, re-armed, ledger records not written."""
+    while _unsaid:
+        log.warning("%s", _unsaid.pop(0))
 
 
 def disarm_flushed(report: FlushReport) -> None:
@@ -335,17 +485,29 @@ def disarm_flushed(report: FlushReport) -> None:
         return
     flushed = {(result.server_url, result.instance_id) for result in report.results}
     with _lock:
-        for guard in list(_armed):
+        for guard in list(_watchdogs):
             if guard._pairs <= flushed:
                 guard.disarm()
 
 
+def _before_fork() -> None:
+    _fork_lock.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    _fork_lock.release()
+
+
 def _after_fork_in_child() -> None:
-    global _lock
+    global _lock, _fork_lock
     _lock = threading.RLock()
-    for guard in _armed:
+    _fork_lock = threading.RLock()
+    for end in list(_open_ends):  # the pipes' ends, and any made for a watchdog still arming
+        end.close()
+    for guard in _watchdogs:
         guard._forget_in_child()
-    _armed.clear()
+    _watchdogs.clear()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)

@@ -25,14 +25,20 @@ import select
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
+
+if TYPE_CHECKING:
+    from swe_flush_sync import FlushReport
 
 RECORD_VERSION: Final = 1
 MAX_STATE_BYTES: Final = 64 << 20  # a control line, and so a ledger record (smaller), is at most this long
 RECORD_SUFFIX: Final = ".json"
-ARMED: Final = b"armed"
+HELD: Final = b"held"  # "held SEQ PID": the watchdog holds state SEQ whole (the first one: it is armed)
+LEDGER: Final = b"ledger"  # "ledger ok", or "ledger WHY" when its record could not be written
+SAY_TIMEOUT: Final = 0.5  # seconds a line to the inherited stderr may take (a reader that stopped reading)
 IGNORED_SIGNALS: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 PROCESS_NAME: Final = b"swe-flush-watch"  # /proc/PID/comm, at most 15 bytes
 # The standard library that requests, urllib3 and the flush need, imported while the watchdog waits:
@@ -142,14 +148,19 @@ class _RecordKeeper:
 
 
 def _say(line: str) -> None:
-    """One line on the inherited stderr; a closed or broken one is ignored."""
+    """One line on the inherited stderr, given up after ``SAY_TIMEOUT``: a closed, broken or full
+    one (a launcher that stopped reading) never keeps the watchdog from going on or exiting."""
     if sys.stderr is None:  # fd 2 was closed when the trainer started us
         return
-    try:
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-    except (OSError, ValueError):
-        pass
+    writer = threading.Thread(target=_write_all, args=(2, (line + "\n").encode("utf-8", "replace")), daemon=True)
+    writer.start()
+    writer.join(SAY_TIMEOUT)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    with contextlib.suppress(OSError):
+        while data:
+            data = data[os.write(fd, data):]
 
 
 def _detach() -> None:
@@ -169,51 +180,61 @@ def _detach() -> None:
 
 
 class _Watch:
-    """The watchdog's state: the last message's state, the ledger record, the ready pipe."""
+    """The watchdog's state: the last state it holds whole, the ledger record, the ready pipe."""
 
     def __init__(self, trainer_pid: int, ready_fd: int) -> None:
         self.trainer_pid = trainer_pid
         self.state: dict[str, Any] | None = None
         self.ledger: _RecordKeeper | None = None
-        self._ready_fd: int | None = ready_fd
+        self._ready_fd = ready_fd
+        self._preloaded = False
+        self._ledger_error: str | None = None
+        os.set_blocking(ready_fd, False)  # a trainer that does not read our word never stops us
 
     def take(self, line: bytes) -> bool:
         """Apply one control line; False on disarm."""
         try:
             message = json.loads(line)
         except ValueError:
-            return True  # a line cut by a signal in the trainer: the next state replaces it
+            return True  # a line the trainer cut and ended early: the next state replaces it
         if not isinstance(message, dict):
             return True
         if message.get("disarm"):
             return False
-        state = message.get("state")
-        if isinstance(state, dict):
+        state, seq = message.get("state"), message.get("seq")
+        if isinstance(state, dict) and isinstance(seq, int):
             self.state = state
-            self._keep_record(state)
-            self._ack()
+            self._keep_record(state)  # first: once watchdog() or refresh() returns, recover() can see it
+            self._tell(HELD + b" %d %d" % (seq, os.getpid()))
+            if not self._preloaded:  # while watchdog() returns
+                self._preloaded = True
+                for module in PRELOADED:
+                    importlib.import_module(module)
         return True
 
-    def _keep_record(self, state: dict[str, Any]) -> None:
-        folder = state.get("ledger")
-        if self.ledger is None and isinstance(folder, str):
-            self.ledger = _RecordKeeper(folder, self.trainer_pid, float(state.get("heartbeat", 10.0)))
-        if self.ledger is not None:
-            try:
-                self.ledger.write(state)
-            except OSError as exc:
-                _say(f"swe-flush watchdog for pid {self.trainer_pid}: cannot write the ledger record: "
-                     f"{exc.strerror or exc}")
+    def _tell(self, word: bytes) -> None:
+        """One line to the trainer; dropped when the trainer is gone or has not read for long."""
+        with contextlib.suppress(OSError):
+            os.write(self._ready_fd, word + b"\n")
 
-    def _ack(self) -> None:
-        """Tell ``watchdog()`` the ids are held (once; the pipe stays open: its end tells the trainer
-        ours), then load ``PRELOADED`` while ``watchdog()`` returns."""
-        if self._ready_fd is not None:
-            with contextlib.suppress(OSError):
-                os.write(self._ready_fd, ARMED + b" %d\n" % os.getpid())
-            self._ready_fd = None
-            for module in PRELOADED:
-                importlib.import_module(module)
+    def _keep_record(self, state: dict[str, Any] | None = None) -> None:
+        """Write the ledger record (with ``state``, else a heartbeat); say once per kind when it fails."""
+        folder = state.get("ledger") if state is not None else None
+        if self.ledger is None and isinstance(folder, str) and state is not None:
+            self.ledger = _RecordKeeper(folder, self.trainer_pid, float(state.get("heartbeat", 10.0)))
+        if self.ledger is None:
+            return
+        try:
+            self.ledger.write(state)
+        except OSError as exc:
+            error: str | None = exc.strerror or type(exc).__name__
+        else:
+            error = None
+        if error != self._ledger_error:
+            self._ledger_error = error
+            self._tell(LEDGER + b" " + (b"ok" if error is None else error.encode("utf-8", "replace")))
+            if error is not None:
+                _say(f"swe-flush watchdog for pid {self.trainer_pid}: cannot write the ledger record: {error}")
 
     def wait_for_end(self, control_fd: int) -> bool:
         """Block until end-of-file (True) or disarm (False); heartbeats in between."""
@@ -222,9 +243,9 @@ class _Watch:
             timeout = self.ledger.heartbeat if self.ledger is not None else None
             readable, _, _ = select.select([control_fd], [], [], timeout)
             if not readable:
-                self._keep_record_alive()
+                self._keep_record()
                 continue
-            chunk = os.read(control_fd, 65536)
+            chunk = os.read(control_fd, 1 << 20)
             if not chunk:
                 return True
             pending += chunk
@@ -233,16 +254,11 @@ class _Watch:
                 if not self.take(line):
                     return False
 
-    def _keep_record_alive(self) -> None:
-        if self.ledger is not None:
-            with contextlib.suppress(OSError):
-                self.ledger.write()
-
-    def flush(self) -> bool:
-        """Flush the last state's pairs with the public ``flush``; True when every pair flushed."""
+    def flush(self) -> FlushReport | None:
+        """Flush the last state's pairs with the public ``flush``; None when there was nothing to flush."""
         state = self.state
         if state is None or not state.get("ids") or not state.get("urls"):
-            return True
+            return None
         sys.path[:] = state.get("sys_path") or sys.path
         from swe_flush_sync import flush  # imported only now: the wait stays lean
 
@@ -250,9 +266,7 @@ class _Watch:
         options = dict(state.get("options") or {})
         if tokens is not None:
             options["bearer"] = tokens.__getitem__  # a missing token fails that pair only
-        report = flush(state["urls"], state["ids"], linger=0.0, **options)
-        _say(f"swe-flush watchdog for pid {self.trainer_pid}: trainer gone; {report.summary()}")
-        return report.ok
+        return flush(state["urls"], state["ids"], linger=0.0, **options)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -265,17 +279,18 @@ def main(argv: list[str] | None = None) -> None:
     control_fd, ready_fd = int(args["--control-fd"]), int(args["--ready-fd"])
     _detach()
     watch = _Watch(trainer_pid, ready_fd)
-    code = 0
+    code, said = 0, ""
     try:
         if watch.wait_for_end(control_fd):
-            code = 0 if watch.flush() else 1
-            if code == 0 and watch.ledger is not None:
-                watch.ledger.remove()
-        elif watch.ledger is not None:  # disarmed: the trainer's own hook flushed everything
+            report = watch.flush()
+            code = 0 if report is None or report.ok else 1
+            said = "" if report is None else f"trainer gone; {report.summary()}"
+        if code == 0 and watch.ledger is not None:  # flushed, or disarmed: the trainer's own hook flushed
             watch.ledger.remove()
     except Exception as exc:  # noqa: BLE001 - the last words of a process nobody waits for
-        _say(f"swe-flush watchdog for pid {trainer_pid}: failed: {type(exc).__name__}")
-        code = 2
+        code, said = 2, f"failed: {type(exc).__name__}"
+    if said:  # after the record is settled: a stalled stderr holds us at most SAY_TIMEOUT
+        _say(f"swe-flush watchdog for pid {trainer_pid}: {said}")
     os._exit(code)  # no lingering worker thread (a DNS lookup, a connect) may hold the exit
 
 

@@ -288,7 +288,7 @@ def test_a_forked_child_does_not_hide_the_death(stub: AgentServerStub) -> None:
         armed(guard)
         child = os.fork()
         if child == 0:  # a data loader, say: lives on after the trainer is killed
-            print("CHILD", os.getpid(), guard.armed, len(sys.modules["swe_flush_sync._watchdog"]._armed), flush=True)
+            print("CHILD", os.getpid(), guard.armed, len(sys.modules["swe_flush_sync._watchdog"]._watchdogs), flush=True)
             time.sleep(60)
             os._exit(0)
         time.sleep(60)
@@ -375,19 +375,28 @@ def test_same_args_same_watchdog(arm: Callable[..., Watchdog], args: argparse.Na
     assert again is not first and again.armed
 
 
-def test_a_killed_watchdog_is_noticed(arm: Callable[..., Watchdog], args: argparse.Namespace,
-                                      caplog: pytest.LogCaptureFixture) -> None:
+def test_a_killed_watchdog_is_noticed_and_rearmed(arm: Callable[..., Watchdog], args: argparse.Namespace,
+                                                 caplog: pytest.LogCaptureFixture, stub: AgentServerStub) -> None:
     from swe_flush_sync import abort
 
     guard = arm(args)
-    os.kill(guard.pid, signal.SIGKILL)
+    ended = guard.pid
+    os.kill(ended, signal.SIGKILL)
     assert wait_until(lambda: not guard.armed, 2.0)
-    args.session_server_instance_id = "wd-new"
     with caplog.at_level("WARNING", logger="swe_flush_sync"):
+        abort(args, environ={}, deadline=1)  # the same ids as before: the death is said all the same
+        _watchdog_pids.append(guard.pid)
+        assert caplog.text.count(f"the watchdog process (pid {ended}) had ended; re-armed as pid {guard.pid}") == 1
+        assert guard.pid != ended and guard.armed and arm(args) is guard
+        for _ in range(3):
+            abort(args, environ={}, deadline=1)
+        assert caplog.text.count("had ended") == 1  # once per watchdog that ended
+        os.kill(guard.pid, signal.SIGKILL)
+        assert wait_until(lambda: not guard.armed, 2.0)
         abort(args, environ={}, deadline=1)
-    assert f"the watchdog process (pid {guard.pid}) has ended" in caplog.text
-    assert not guard.refresh()
-    assert arm(args) is not guard  # a new one is armed
+        _watchdog_pids.append(guard.pid)
+    assert caplog.text.count("had ended") == 2 and guard.armed
+    assert stub.requests == []  # SIGKILLed watchdogs flush nothing
 
 
 def test_fork_in_this_process(arm: Callable[..., Watchdog], args: argparse.Namespace,
