@@ -123,10 +123,11 @@ class Watchdog:
         self._ready: _Fd | None = None  # read end of the ready pipe: the watchdog's word, end-of-file at its end
         self._inbox = b""  # a line of the watchdog's not read whole yet
         self._outbox = bytearray()  # what is still to be written: at most the end of a cut line and one message
-        self._cut = False  # the outbox starts in the middle of a line
+        self._cut = False  # what was written so far ends in the middle of a line
         self._payload = b""  # the state last queued
         self._seq = 0  # its number
         self._held = 0  # the number of the newest state the watchdog said it holds whole
+        self._written = 0  # bytes written to the control pipe in all
         self._pairs: frozenset[tuple[str, str]] = frozenset()
         self._disarmed = False
         self._lost = False
@@ -141,7 +142,7 @@ class Watchdog:
     def refresh(self) -> bool:
         """Read the ids (and servers and bearers) again and hand them over if they changed, or if the
         last state could not be handed over whole (a stopped watchdog). Waits up to half a second for
-        room in the pipe and the watchdog's word, but only when the watchdog had the state before.
+        room in the pipe and the watchdog's word, but only while the watchdog reads its pipe.
 
         Returns:
             True when a new state was handed over and the watchdog said it holds it whole; False
@@ -153,15 +154,17 @@ class Watchdog:
         """
         payload, pairs = self._state()  # user code: no lock held
         with _lock:
+            written, held = self._written, self._held
             if not self._talk():
                 return False
             caught_up = self._held == self._seq and not self._outbox
             if payload != self._payload:
                 self._queue(payload, pairs)
             elif caught_up:
-                return False
-            self._talk()
-        return self._confirm(SEND_TIMEOUT if caught_up else 0.0)
+                return self._held > held  # confirmed just now, else nothing new
+            reading = self._talk() and (caught_up or self._written > written or self._held > held)
+        # Wait only for a watchdog that reads: a stopped one costs each step nothing after the first.
+        return self._confirm(SEND_TIMEOUT if reading else 0.0)
 
     def disarm(self) -> None:
         """Let the watchdog exit without flushing (within a second); its ledger record is removed.
@@ -176,7 +179,6 @@ class Watchdog:
             if self._control is None:
                 return
             self._outbox[:] = (b"\n" if self._cut else b"") + _DISARM  # replaces any state not yet sent
-            self._cut = False
             alive = self._talk()
             if alive and self._outbox and self.pid:  # it cannot be reached: it must not flush later
                 os.kill(self.pid, signal.SIGKILL)  # still ours: its end of the ready pipe is open
@@ -205,12 +207,12 @@ class Watchdog:
         return payload, frozenset((url, instance_id) for url in urls for instance_id in ids)
 
     def _queue(self, payload: bytes, pairs: frozenset[tuple[str, str]]) -> None:
-        """Make ``payload`` the next state to write, in place of any not written yet (a cut line is ended)."""
+        """Make ``payload`` the next state to write, in place of any not written yet; a line written in
+        part is ended first (the watchdog drops it: it keeps the last state it had whole)."""
         self._seq += 1
         self._payload, self._pairs = payload, pairs
         message = b'{"seq": %d, "state": %s}\n' % (self._seq, payload)
         self._outbox[:] = (b"\n" if self._cut else b"") + message
-        self._cut = False
 
     def _talk(self) -> bool:
         """Read what the watchdog said and write what the pipe takes, without blocking; False when lost."""
@@ -262,8 +264,9 @@ class Watchdog:
                 return
             except OSError:  # EPIPE: the watchdog is gone
                 raise _Lost from None
-            self._cut = written < len(self._outbox) and self._outbox[written - 1:written] != b"\n"
+            self._cut = self._outbox[written - 1:written] != b"\n"
             del self._outbox[:written]
+            self._written += written
 
     def _confirm(self, timeout: float) -> bool:
         """Wait up to ``timeout`` for the outbox to be written and the newest state held; True if it is."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -67,6 +68,28 @@ def reap_children() -> Iterator[None]:
         if proc.poll() is None:
             proc.kill()
         proc.communicate(timeout=10)
+
+
+_watchdog_pids: list[int] = []
+
+
+@pytest.fixture(autouse=True)
+def end_watchdogs() -> Iterator[None]:
+    """Every watchdog a test armed is gone after it: killed by its pid if it still runs."""
+    yield
+    while _watchdog_pids:
+        pid = _watchdog_pids.pop()
+        if not gone(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def gone(pid: int) -> bool:
+    """True when ``pid`` has exited (no such process, or a zombie not yet reaped by init)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            return handle.read().rpartition(b")")[2].split()[0] == b"Z"
+    except FileNotFoundError:
+        return True
 
 
 @pytest.fixture(autouse=True)

@@ -20,7 +20,7 @@ import pytest
 from swe_flush_sync import ConfigError, Watchdog, watchdog
 from swe_flush_sync.testing import AgentServerStub
 
-from .conftest import PYTHON, SECRET, read_until, spawn, subprocess_env
+from .conftest import PYTHON, SECRET, _watchdog_pids, gone, read_until, spawn, subprocess_env
 
 IDS = ("wd-a", "wd-b", "wd-c")
 PRELUDE = """
@@ -32,28 +32,6 @@ args = argparse.Namespace(session_server_instance_ids={8000: "wd-a", 8001: "wd-b
 def armed(guard):
     print("ARMED", guard.pid, flush=True)
 """
-
-_watchdog_pids: list[int] = []
-
-
-@pytest.fixture(autouse=True)
-def end_watchdogs() -> Iterator[None]:
-    """Every watchdog a test armed is gone after it: killed by its pid if it still runs."""
-    yield
-    while _watchdog_pids:
-        pid = _watchdog_pids.pop()
-        if not gone(pid):
-            os.kill(pid, signal.SIGKILL)
-
-
-def gone(pid: int) -> bool:
-    """True when ``pid`` has exited (no such process, or a zombie not yet reaped by init)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            return handle.read().rpartition(b")")[2].split()[0] == b"Z"
-    except FileNotFoundError:
-        return True
-
 
 def wait_until(condition: Callable[[], bool], timeout: float) -> bool:
     end = time.monotonic() + timeout
@@ -288,7 +266,8 @@ def test_a_forked_child_does_not_hide_the_death(stub: AgentServerStub) -> None:
         armed(guard)
         child = os.fork()
         if child == 0:  # a data loader, say: lives on after the trainer is killed
-            print("CHILD", os.getpid(), guard.armed, len(sys.modules["swe_flush_sync._watchdog"]._watchdogs), flush=True)
+            known = sys.modules["swe_flush_sync._watchdog"]._watchdogs
+            print("CHILD", os.getpid(), guard.armed, len(known), flush=True)
             time.sleep(60)
             os._exit(0)
         time.sleep(60)

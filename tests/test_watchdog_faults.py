@@ -1,0 +1,421 @@
+"""The watchdog and the ledger under the faults a long training job brings (issue 29): threads,
+signals, full pipes, stopped processes, a removed ledger, closed descriptors. One test per defect,
+each over real processes; the numbers in the test names are the issue's."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import textwrap
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from swe_flush_sync import Watchdog, abort, recover, watchdog
+from swe_flush_sync import _watchdog as watchdog_module
+from swe_flush_sync.testing import AgentServerStub
+
+from .conftest import PYTHON, SECRET, spawn, subprocess_env
+from .test_ledger import ENV, records
+from .test_watchdog import IDS, PRELUDE, Trainer, _watchdog_pids, gone, wait_until
+
+BIG = "{n: f'big-{n:05d}-' + 'x' * 70 for n in range(2000)}"  # ~170 KB a state: more than a pipe holds
+
+
+def stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat", "rb") as handle:
+        return handle.read().rpartition(b")")[2].split()[0] == b"T"
+
+
+def test_1_sigterm_hook_never_waits_on_a_thread_stuck_in_user_code(stub: AgentServerStub) -> None:
+    """A thread's abort() is stuck in its bearer provider (it logs; the main thread, interrupted
+    inside a logging handler, holds the handler's lock). The SIGTERM hook must still end the process."""
+    trainer = Trainer(stub, """
+        import logging, threading
+        from swe_flush_sync import StaticBearer
+        class Slow(logging.Handler):
+            def emit(self, record):
+                if record.getMessage() == "SLOW":
+                    print("IN_EMIT", flush=True)
+                    time.sleep(30)
+        app = logging.getLogger("app")
+        app.addHandler(Slow())
+        app.setLevel(logging.INFO)
+        static = StaticBearer(os.environ["HARBOR_ADMIN_SECRET"])
+        def provider(instance_id):
+            app.info("token for %s", instance_id)  # blocks on the handler's lock while main is in emit
+            return static(instance_id)
+        armed(watchdog(args, bearer=provider, until_idle=False))
+        flush_on_signal(args, deadline=3, until_idle=False)
+        def steps():
+            n = 0
+            while True:
+                n += 1
+                args.session_server_instance_id = f"wd-step-{n}"  # a new state each step
+                abort(args, bearer=provider, deadline=1)
+        threading.Thread(target=steps, daemon=True).start()
+        time.sleep(0.3)
+        app.warning("SLOW")
+    """)
+    trainer.armed()
+    trainer.read("IN_EMIT")
+    time.sleep(0.5)  # the stepping thread is now blocked inside its provider
+    trainer.proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    assert wait_until(lambda: trainer.proc.poll() is not None, 8.0), "the SIGTERM hook deadlocked"
+    assert time.monotonic() - sent < 3 + 1 + 1.5  # deadline plus a second, and a margin
+    assert trainer.proc.returncode == -signal.SIGTERM
+
+
+@pytest.fixture
+def stdin_trainer(stub: AgentServerStub) -> Iterator[Callable[..., Trainer]]:
+    """A ``Trainer`` whose stdin the test writes lines to (one line: go on). Defect 11 (a dead
+    watchdog unreported while the ids stay the same) is tested in ``test_watchdog``
+    (``test_a_killed_watchdog_is_noticed_and_rearmed``)."""
+    made: list[Trainer] = []
+
+    def make(body: str, **env: str) -> Trainer:
+        environ = subprocess_env(**{"AGENT_SERVER_URL": stub.url, "HARBOR_ADMIN_SECRET": SECRET, **env})
+        trainer = Trainer.__new__(Trainer)
+        trainer.proc = spawn([PYTHON, "-c", PRELUDE + textwrap.dedent(body)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environ, start_new_session=True)
+        trainer.watchdog_pid = 0
+        trainer.lines = []
+        made.append(trainer)
+        return trainer
+
+    yield make
+
+
+def go_on(trainer: Trainer) -> None:
+    assert trainer.proc.stdin is not None
+    trainer.proc.stdin.write("\n")
+    trainer.proc.stdin.flush()
+
+
+def test_2_part_of_a_state_reaches_the_watchdog_after_a_stop(stdin_trainer: Callable[..., Trainer],
+                                                             stub: AgentServerStub) -> None:
+    trainer = stdin_trainer(f"""
+        guard = watchdog(args, until_idle=False, deadline=20)
+        armed(guard)
+        sys.stdin.readline()  # the test stops the watchdog
+        args.session_server_instance_ids = {BIG}
+        started = time.monotonic()
+        print("STOPPED", guard.refresh(), guard.armed, round(time.monotonic() - started, 2), flush=True)
+        sys.stdin.readline()  # the test lets it go on
+        print("AGAIN", guard.refresh(), guard.armed, flush=True)
+        time.sleep(60)
+    """)
+    pid = trainer.armed()
+    os.kill(pid, signal.SIGSTOP)
+    assert wait_until(lambda: stopped(pid), 2.0)
+    go_on(trainer)
+    words = trainer.read("STOPPED")
+    assert words[1:3] == ["False", "False"] and float(words[3]) < 1.0  # not confirmed, and armed says so
+    os.kill(pid, signal.SIGCONT)
+    time.sleep(0.2)  # the next step comes a moment after the watchdog runs again
+    go_on(trainer)
+    assert trainer.read("AGAIN")[1:] == ["True", "True"]  # the same ids: the rest is written all the same
+    trainer.proc.kill()
+    trainer.death()
+    assert wait_until(lambda: len(stub.requests) >= 2001, 15.0), len(stub.requests)
+    assert len(set(stub.flushed_ids())) == 2001 and "wd-c" in stub.flushed_ids()
+
+
+@pytest.mark.parametrize("then", ["SIGKILL", "a normal exit"])
+@pytest.mark.parametrize("previous", ["a graceful-stop handler", "SIG_IGN"])
+def test_3_a_sigterm_the_trainer_survives_keeps_the_watchdog_armed(stdin_trainer: Callable[..., Trainer],
+                                                                  stub: AgentServerStub, previous: str,
+                                                                  then: str) -> None:
+    handler = "lambda signum, frame: print('GRACEFUL', flush=True)" if previous != "SIG_IGN" else "signal.SIG_IGN"
+    for instance_id in IDS:
+        stub.add_trials(instance_id, 1)
+    trainer = stdin_trainer(f"""
+        signal.signal(signal.SIGTERM, {handler})
+        armed(watchdog(args, until_idle=False))
+        flush_on_signal(args, until_idle=False)
+        print("READY", flush=True)
+        sys.stdin.readline()  # after the SIGTERM: the trainer goes on
+        print("GOING_ON", flush=True)
+        if sys.stdin.readline().strip() == "exit":
+            sys.exit(0)
+        time.sleep(60)
+    """)
+    pid = trainer.armed()
+    trainer.read("READY")
+    trainer.proc.send_signal(signal.SIGTERM)
+    assert wait_until(lambda: len(stub.requests) == len(IDS), 5.0)
+    go_on(trainer)
+    trainer.read("GOING_ON")
+    assert trainer.proc.poll() is None and not gone(pid)  # it survived, and so did its watchdog
+    assert [stub.trials(i) for i in IDS] == [0, 0, 0]
+    for instance_id in IDS:  # the trainer goes on and starts trials again
+        stub.add_trials(instance_id, 2)
+    if then == "SIGKILL":  # the grace period ends
+        trainer.proc.kill()
+        trainer.death()
+        assert wait_until(lambda: [stub.trials(i) for i in IDS] == [0, 0, 0], 3.0), "the watchdog flushed nothing"
+        assert Counter(stub.flushed_ids()) == dict.fromkeys(IDS, 2)
+    else:  # nothing since the SIGTERM's flush: it was the last one; each pair flushed once
+        assert trainer.proc.stdin is not None
+        trainer.proc.stdin.write("exit\n")
+        trainer.proc.stdin.flush()
+        trainer.death()
+        assert wait_until(lambda: gone(pid), 2.0)
+        time.sleep(0.2)
+        assert Counter(stub.flushed_ids()) == dict.fromkeys(IDS, 1)
+
+
+def test_4_recover_never_races_a_live_watchdog(stub_factory: Callable[..., AgentServerStub], tmp_path: Path) -> None:
+    server = stub_factory(secret=SECRET, teardown=1.0)
+    for instance_id in IDS:
+        server.add_trials(instance_id, 1)
+    trainer = Trainer(server, f"""
+        armed(watchdog(args, ledger={str(tmp_path)!r}, deadline=10))  # until idle
+        time.sleep(60)
+    """)
+    pid = trainer.armed()
+    trainer.proc.kill()
+    trainer.death()
+    assert wait_until(lambda: len(server.requests) >= len(IDS), 3.0)
+    time.sleep(0.3)  # the watchdog's first pass is tearing down
+    assert not gone(pid) and len(records(tmp_path)) == 1
+    report = recover(str(tmp_path), servers=server.url, environ=ENV)  # a trainer restarted at once
+    assert report.ok and report.results == ()
+    assert wait_until(lambda: gone(pid), 12.0)
+    assert server.recancels == 0 and records(tmp_path) == []
+    per_id = Counter(server.flushed_ids())
+    assert set(per_id) == set(IDS) and all(count == 2 for count in per_id.values())  # the watchdog's two passes
+
+
+def test_5_a_full_stderr_pipe_never_keeps_the_watchdog(stub: AgentServerStub, tmp_path: Path) -> None:
+    trainer = Trainer(stub, f"""
+        armed(watchdog(args, ledger={str(tmp_path)!r}, deadline=2, until_idle=False))
+        fd = os.open(f"/proc/self/fd/2", os.O_WRONLY | os.O_NONBLOCK)  # the same pipe, our own file
+        try:
+            while True:
+                os.write(fd, b"x" * 4096)  # the launcher stopped reading: fill it up
+        except BlockingIOError:
+            pass
+        print("FULL", flush=True)
+        time.sleep(60)
+    """)
+    pid = trainer.armed()
+    trainer.read("FULL")
+    trainer.proc.kill()
+    died = trainer.death()
+    assert wait_until(lambda: gone(pid), 2 + 1 + 1.0), "the watchdog hung on its stderr"
+    assert time.monotonic() - died < 2 + 1 + 1.0
+    assert sorted(stub.flushed_ids()) == sorted(IDS) and records(tmp_path) == []
+
+
+@pytest.fixture
+def in_process() -> Iterator[Callable[..., Watchdog]]:
+    """Arm watchdogs in this process; each is disarmed (and killed by pid if need be) after the test."""
+    guards: list[Watchdog] = []
+
+    def make(args: object, **options: object) -> Watchdog:
+        guard = watchdog(args, **options)  # type: ignore[arg-type]
+        guards.append(guard)
+        _watchdog_pids.append(guard.pid)
+        return guard
+
+    yield make
+    for guard in guards:
+        guard.disarm()
+        _watchdog_pids.append(guard.pid)
+
+
+def test_6_a_record_that_cannot_be_written_is_said(in_process: Callable[..., Watchdog], stub: AgentServerStub,
+                                                   tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(watchdog_module, "DEFAULT_HEARTBEAT", 0.2)
+    ledger = tmp_path / "ledger"
+    args = argparse.Namespace(session_server_instance_id="hb-a")
+    guard = in_process(args, environ={"AGENT_SERVER_URL": stub.url}, ledger=str(ledger))
+    assert guard.ledger_error is None and len(records(ledger)) == 1
+    shutil.rmtree(ledger)  # the volume went away (a full one says ENOSPC the same way)
+    assert wait_until(lambda: guard.armed and guard.ledger_error is not None, 3.0)
+    assert "No such file or directory" in (guard.ledger_error or "")
+    with caplog.at_level("WARNING", logger="swe_flush_sync"):
+        for _ in range(3):
+            abort(args, environ={})
+            time.sleep(0.25)  # more failed heartbeats
+    assert caplog.text.count("cannot write its ledger record") == 1 and guard.armed
+    ledger.mkdir(mode=0o700)  # heartbeats are retried: the record comes back
+    assert wait_until(lambda: guard.armed and guard.ledger_error is None and len(records(ledger)) == 1, 3.0)
+    assert stub.requests == []
+
+
+def test_7_a_fork_during_arming_never_hides_the_death(stub: AgentServerStub) -> None:
+    trainer = Trainer(stub, """
+        import threading
+        children, arming = [], threading.Event()
+        def fork_meanwhile():  # a data loader's workers, forked by another thread
+            arming.wait()
+            while arming.is_set() and len(children) < 30:
+                child = os.fork()
+                if child == 0:
+                    time.sleep(20)
+                    os._exit(0)
+                children.append(child)
+                time.sleep(0.002)
+        forker = threading.Thread(target=fork_meanwhile)
+        forker.start()
+        arming.set()
+        guard = watchdog(args, until_idle=False)
+        arming.clear()
+        forker.join()
+        print("CHILDREN", *children, flush=True)
+        armed(guard)
+        time.sleep(60)
+    """)
+    children = [int(pid) for pid in trainer.read("CHILDREN")[1:]]
+    try:
+        trainer.armed()
+        assert children, "no child was forked during arming"
+        trainer.proc.kill()
+        died = trainer.death()
+        assert wait_until(lambda: len(stub.requests) >= len(IDS), 2.0), "a forked child held the pipe open"
+        assert all(request.at - died < 2.0 for request in stub.requests)
+    finally:
+        for child in children:
+            if not gone(child):
+                os.kill(child, signal.SIGKILL)
+
+
+def test_8_descriptors_closed_and_reused_are_never_ours(stub: AgentServerStub, tmp_path: Path) -> None:
+    log_file = tmp_path / "app.log"
+    trainer = Trainer(stub, f"""
+        guard = watchdog(args, until_idle=False)
+        armed(guard)
+        os.closerange(3, 256)  # daemonizing code
+        logs = [open({str(log_file)!r}, "a") for _ in range(4)]  # takes the freed numbers
+        args.session_server_instance_id = "wd-after"
+        print("CLOSED", guard.refresh(), guard.armed, flush=True)
+        for handle in logs:
+            handle.write("still mine\\n")
+            handle.flush()
+        print("WROTE", flush=True)
+        report = abort(args, deadline=5)  # re-arms
+        print("REARMED", report.ok, guard.armed, guard.pid, flush=True)
+        time.sleep(60)
+    """)
+    trainer.armed()
+    assert trainer.read("CLOSED")[1:] == ["False", "False"]
+    trainer.read("WROTE")
+    words = trainer.read("REARMED")
+    _watchdog_pids.append(int(words[3]))
+    assert words[1:3] == ["True", "True"] and int(words[3]) != trainer.watchdog_pid
+    text = log_file.read_text()
+    assert text == "still mine\n" * 4  # nothing of ours was written there, and nothing of theirs closed
+    assert SECRET not in text
+
+
+def test_9_big_records_and_long_ids_are_recovered(stub: AgentServerStub, tmp_path: Path) -> None:
+    trainer = Trainer(stub, f"""
+        args.session_server_instance_ids = {{n: f"long-{{n:04d}}-" + "y" * 480 for n in range(2500)}}
+        args.session_server_instance_id = "z" * 2000
+        armed(watchdog(args, ledger={str(tmp_path)!r}))
+        time.sleep(60)
+    """)
+    pid = trainer.armed()
+    [record] = records(tmp_path)
+    assert record.stat().st_size > 1 << 20
+    os.kill(pid, signal.SIGKILL)
+    assert wait_until(lambda: gone(pid), 2.0)
+    trainer.proc.kill()
+    trainer.death()
+    report = recover(str(tmp_path), servers=stub.url, environ=ENV, until_idle=False)
+    assert len(report.results) == 2500 and all(result.ok for result in report.results)
+    assert not report.ok and report.error is not None and "1 of its ids set aside" in report.error
+    assert len(set(stub.flushed_ids())) == 2500 and records(tmp_path) == []
+    assert [path.name for path in tmp_path.iterdir()] == [record.name + ".bad"]
+
+
+def test_10_a_stopped_watchdog_costs_one_state_and_no_waiting(stdin_trainer: Callable[..., Trainer],
+                                                              stub: AgentServerStub) -> None:
+    trainer = stdin_trainer("""
+        import tracemalloc
+        guard = watchdog(args, until_idle=False, deadline=20)
+        armed(guard)
+        sys.stdin.readline()
+        tracemalloc.start()
+        started = time.monotonic()
+        for step in range(60):
+            args.session_server_instance_ids = {n: f"s{step:02d}-{n:05d}-" + "x" * 70 for n in range(2000)}
+            guard.refresh()
+        took = time.monotonic() - started
+        held, _ = tracemalloc.get_traced_memory()
+        print("STEPS", round(took, 2), held, flush=True)
+        sys.stdin.readline()
+        print("AGAIN", guard.refresh(), guard.armed, flush=True)
+        time.sleep(60)
+    """)
+    pid = trainer.armed()
+    os.kill(pid, signal.SIGSTOP)
+    assert wait_until(lambda: stopped(pid), 2.0)
+    go_on(trainer)
+    words = trainer.read("STEPS", timeout=60)
+    assert float(words[1]) < 0.5 * 3 + 5.0  # at most one wait, not 60 x 0.5 s (a margin for a slow machine)
+    assert int(words[2]) < 2_000_000  # about one state's worth is kept, not 60 of them (0.4.0: 27 MB)
+    os.kill(pid, signal.SIGCONT)
+    time.sleep(0.2)
+    go_on(trainer)
+    assert trainer.read("AGAIN")[1:] == ["True", "True"]
+    trainer.proc.kill()
+    trainer.death()
+    assert wait_until(lambda: len(stub.requests) >= 2001, 15.0)
+    flushed = set(stub.flushed_ids())
+    assert len(flushed) == 2001 and all(instance_id.startswith(("s59-", "wd-c")) for instance_id in flushed)
+
+
+def test_12_arming_with_stdio_closed(stub: AgentServerStub, tmp_path: Path) -> None:
+    out = tmp_path / "out.txt"
+    script = PRELUDE + textwrap.dedent(f"""
+        with open({str(out)!r}, "w") as note:
+            guard = watchdog(args, until_idle=False)
+            note.write(f"ARMED {{guard.pid}} {{guard.armed}}\\n")
+            args.session_server_instance_id = "wd-late"
+            note.write(f"REFRESHED {{guard.refresh()}}\\n")
+        time.sleep(60)
+    """)
+    env = subprocess_env(AGENT_SERVER_URL=stub.url, HARBOR_ADMIN_SECRET=SECRET)
+    proc = spawn(["sh", "-c", 'exec "$0" -c "$1" <&- >&- 2>&-', PYTHON, script], env=env, start_new_session=True)
+    assert wait_until(lambda: out.exists() and "REFRESHED" in out.read_text(), 20.0), \
+        out.read_text() if out.exists() else "no output"
+    words = out.read_text().split()
+    _watchdog_pids.append(int(words[1]))
+    assert words[2:] == ["True", "REFRESHED", "True"]
+    proc.kill()
+    proc.wait()
+    assert wait_until(lambda: len(stub.requests) >= 3, 3.0)
+    assert sorted(stub.flushed_ids()) == ["wd-a", "wd-b", "wd-late"]
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.005, 0.01, 0.015, 0.02, 0.03])
+def test_13_sigterm_during_arming_flushes_each_pair_once(stub: AgentServerStub, delay: float) -> None:
+    trainer = Trainer(stub, """
+        flush_on_signal(args, until_idle=False)
+        print("ARMING", flush=True)
+        guard = watchdog(args, until_idle=False)
+        armed(guard)
+        time.sleep(60)
+    """)
+    trainer.read("ARMING")
+    time.sleep(delay)
+    trainer.proc.send_signal(signal.SIGTERM)
+    trainer.death()
+    assert trainer.proc.returncode == -signal.SIGTERM
+    time.sleep(1.5)  # a watchdog that was not disarmed would have flushed by now
+    assert Counter(stub.flushed_ids()) == dict.fromkeys(IDS, 1)
+    assert trainer.proc.stdout is not None
+    for line in trainer.proc.stdout.read().splitlines():
+        if line.startswith("ARMED"):
+            _watchdog_pids.append(int(line.split()[1]))
