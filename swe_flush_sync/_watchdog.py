@@ -16,6 +16,7 @@ import logging
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -45,6 +46,10 @@ SEND_TIMEOUT: Final = 0.5  # seconds a hand-over may wait for room in the pipe a
 REARM_INTERVAL: Final = 60.0  # seconds between two attempts of abort() to re-arm a watchdog that failed to start
 _HELPER: Final = _watchdog_process.__file__
 _DISARM: Final = b'{"disarm": true}\n'
+_END_CUT_LINE: Final = _watchdog_process.CANCEL + b"\n"
+GUARD_ENV_VAR: Final = "SWE_FLUSH_GUARD"
+MAX_SOCKET_PATH: Final = 107  # bytes in sockaddr_un's sun_path, less its NUL
+RECONNECT_INTERVAL: Final = 1.0  # seconds between two attempts to reach a guard that went away
 
 # Held only around non-blocking pipe I/O, never while user code (args getters, bearer providers,
 # logging) runs, so a signal hook never waits on it for long. Re-entrant: a signal hook may run
@@ -105,15 +110,18 @@ class Watchdog:
     """A watchdog process armed by ``watchdog()`` for one trainer ``args``.
 
     Attributes:
-        pid: the watchdog process's id (a re-armed watchdog has a new one).
+        pid: the watchdog process's id (a re-armed watchdog has a new one); through a guard, the
+            guard's.
         ledger: the ledger directory its record is kept in, or None.
+        guard: the guard's socket path when the watchdog is a ``swe-flush guard``, else None.
         ledger_error: why the watchdog last failed to write its ledger record (a full volume,
             the directory removed), None while it writes it; it keeps retrying every heartbeat.
     """
 
     def __init__(self, args: Any, environ: Mapping[str, str] | None, options: FlushOptions,
-                 ledger: str | None) -> None:
+                 ledger: str | None, guard: str | None = None) -> None:
         self._args = args
+        self.guard = guard
         self._environ = environ
         self._options = options
         self.ledger = ledger
@@ -132,6 +140,7 @@ class Watchdog:
         self._disarmed = False
         self._lost = False
         self._rearm_after = 0.0
+        self._said_unreachable = False
 
     @property
     def armed(self) -> bool:
@@ -153,6 +162,8 @@ class Watchdog:
             ConfigError: ``args`` or the environment holds a bad value.
         """
         payload, pairs = self._state()  # user code: no lock held
+        if self.guard is not None and not self._disarmed and (self._lost or not self.armed):
+            self._rearm()  # the guard went away (a sidecar restarted): reconnect, at most once a second
         with _lock:
             written, held = self._written, self._held
             if not self._talk():
@@ -170,7 +181,8 @@ class Watchdog:
         """Let the watchdog exit without flushing (within a second); its ledger record is removed.
 
         Idempotent. Call it when the trainer has flushed everything itself. A watchdog that does
-        not read its pipe (stopped, hung) is killed instead, and its ledger record stays.
+        not read its pipe (stopped, hung) is killed instead, and its ledger record stays (a guard is
+        never killed: it gets half a second to read the disarm).
         """
         with _lock:
             self._disarmed = True
@@ -178,10 +190,13 @@ class Watchdog:
                 _watchdogs.remove(self)
             if self._control is None:
                 return
-            self._outbox[:] = (b"\n" if self._cut else b"") + _DISARM  # replaces any state not yet sent
+            self._outbox[:] = (_END_CUT_LINE if self._cut else b"") + _DISARM  # replaces any state not yet sent
             alive = self._talk()
-            if alive and self._outbox and self.pid:  # it cannot be reached: it must not flush later
+            if alive and self._outbox and self.guard is None and self.pid:  # it must not flush later
                 os.kill(self.pid, signal.SIGKILL)  # still ours: its end of the ready pipe is open
+        if alive and self._outbox and self.guard is not None:  # a busy guard: a moment to read it
+            self._confirm(SEND_TIMEOUT)
+        with _lock:
             self._close()
 
     # -- the pipes ---------------------------------------------------------------------------
@@ -212,7 +227,7 @@ class Watchdog:
         self._seq += 1
         self._payload, self._pairs = payload, pairs
         message = b'{"seq": %d, "state": %s}\n' % (self._seq, payload)
-        self._outbox[:] = (b"\n" if self._cut else b"") + message
+        self._outbox[:] = (_END_CUT_LINE if self._cut else b"") + message
 
     def _talk(self) -> bool:
         """Read what the watchdog said and write what the pipe takes, without blocking; False when lost."""
@@ -299,57 +314,117 @@ class Watchdog:
         self._outbox.clear()
         self._cut = False
 
-    def _start(self) -> None:
-        """Start the watchdog process, hand it the state and wait until it says it holds it whole."""
-        if not sys.executable:
-            raise FlushError("cannot start a watchdog: sys.executable is unknown")
-        payload, pairs = self._state()
-        try:
-            with _fork_lock:
-                control_read, control = _Fd.pipe()
-                ready, ready_write = _Fd.pipe()
-                os.set_blocking(control.fd, False)  # our ends only: each end is its own open file
-                os.set_blocking(ready.fd, False)
-        except OSError as exc:
-            raise FlushError(f"cannot start a watchdog: no pipe ({exc.strerror or exc})") from None
-        command = [sys.executable, _HELPER, "--trainer-pid", str(os.getpid()),
-                   "--control-fd", str(control_read.fd), "--ready-fd", str(ready_write.fd)]
+    def _start(self, patience: float = ARM_TIMEOUT) -> None:
+        """Start the watchdog process, or connect to the guard, hand it the state and wait (up to
+        ``patience``) until it says it holds it whole."""
+        payload, pairs = self._state()  # user code: before any lock
+        process = None
+        if self.guard is not None:
+            self._connect(patience)
+        else:
+            process = self._spawn()
         with _lock:
-            self._control, self._ready, self._lost, self._held, self._inbox = control, ready, False, self._seq, b""
-            self._queue(payload, pairs)
-            if self._disarmed:  # by a signal hook while the pipes were made
+            if self._disarmed:  # by a signal hook meanwhile
                 self._close()
-        # Blocked while it starts, so a Ctrl-C or TERM to the group meanwhile cannot kill it half-way.
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _watchdog_process.IGNORED_SIGNALS)
-        try:
-            if self._control is None:
                 return
-            process = subprocess.Popen(command, pass_fds=(control_read.fd, ready_write.fd), stdin=subprocess.DEVNULL,
-                                       stdout=subprocess.DEVNULL, cwd="/")
-        except OSError as exc:
-            with _lock:
-                self._close()
-            raise FlushError(f"cannot start a watchdog process: {exc.strerror or exc}") from None
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-            control_read.close()
-            ready_write.close()
-        held = self._confirm(ARM_TIMEOUT)
-        try:
-            process.wait(ARM_TIMEOUT)  # the first process exits once it has forked: no zombie is left
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            self._queue(payload, pairs)
+        held = self._confirm(patience)
+        if process is not None:
+            try:
+                process.wait(ARM_TIMEOUT)  # the first process exits once it has forked: no zombie is left
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
         if not held and not self._disarmed:
             with _lock:
                 self._close()
+            if process is None:
+                raise FlushError(f"the guard at {shown(self.guard or '')} did not take the state in {patience:g} s")
             raise FlushError(f"the watchdog process did not start (exit status {process.returncode})")
+        if held and process is not None and os.getpid() == 1:
+            log.warning("the watchdog (pid %d) was armed by PID 1 of its PID namespace (a container's main "
+                        "process): it dies with the container and flushes nothing then; run swe-flush guard "
+                        "outside the container and arm with guard=PATH (or %s)", self.pid, GUARD_ENV_VAR)
+
+    def _take_ends(self, control: _Fd, ready: _Fd) -> None:
+        with _lock:
+            self._control, self._ready, self._lost, self._held, self._inbox = control, ready, False, self._seq, b""
+            self._cut = False
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        """Start the watchdog process over two fresh pipes; the trainer's ends become ours."""
+        if not sys.executable:
+            raise FlushError("cannot start a watchdog: sys.executable is unknown")
+        # Forks wait meanwhile: a child of another thread keeps neither a pipe end nor Popen's own
+        # exec-status pipe (which would hold the arming until that child ends).
+        with _fork_lock:
+            try:
+                control_read, control = _Fd.pipe()
+                ready, ready_write = _Fd.pipe()
+            except OSError as exc:
+                raise FlushError(f"cannot start a watchdog: no pipe ({exc.strerror or exc})") from None
+            os.set_blocking(control.fd, False)  # our ends only: each end is its own open file
+            os.set_blocking(ready.fd, False)
+            command = [sys.executable, _HELPER, "--trainer-pid", str(os.getpid()),
+                       "--control-fd", str(control_read.fd), "--ready-fd", str(ready_write.fd)]
+            # Blocked while it starts, so a Ctrl-C or TERM to the group meanwhile cannot kill it half-way.
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _watchdog_process.IGNORED_SIGNALS)
+            try:
+                process = subprocess.Popen(command, pass_fds=(control_read.fd, ready_write.fd),
+                                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, cwd="/")
+            except OSError as exc:
+                control.close()
+                ready.close()
+                raise FlushError(f"cannot start a watchdog process: {exc.strerror or exc}") from None
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+                control_read.close()
+                ready_write.close()
+        self._take_ends(control, ready)
+        return process
+
+    def _connect(self, patience: float) -> None:
+        """Connect to the guard's socket, trying for up to ``patience`` (a sidecar may start later)."""
+        path = self.guard or ""
+        give_up_at = time.monotonic() + patience
+        while True:
+            with _fork_lock:  # no fork between the socket's creation and its registration
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    sock.settimeout(SEND_TIMEOUT)
+                    sock.connect(path)
+                except OSError as exc:
+                    sock.close()
+                    why = exc.strerror or type(exc).__name__
+                else:
+                    end = _Fd(sock.detach())
+                    os.set_blocking(end.fd, False)
+                    self._take_ends(end, end)
+                    return
+            if time.monotonic() >= give_up_at:
+                raise FlushError(f"no guard answers at {shown(path)} ({why})")
+            time.sleep(0.05)
 
     def _rearm(self) -> None:
-        """Start a new watchdog process for a lost one (by ``abort``); at most once a minute after a failure."""
+        """Start a new watchdog process for a lost one, or reconnect to the guard (by ``abort``, and for
+        a guard by ``refresh``); a guard at most once a second, a process at most once a minute after a failure."""
         if time.monotonic() < self._rearm_after:
             return
         ended = self.pid
+        if self.guard is not None:
+            self._rearm_after = time.monotonic() + RECONNECT_INTERVAL
+            try:
+                self._start(patience=SEND_TIMEOUT)  # never blocks the step for more than a second
+            except (FlushError, ConfigError) as exc:
+                if not self._said_unreachable:
+                    self._said_unreachable = True
+                    _unsaid.append(f"the guard went away and cannot be reached again: {exc}; a hard death of "
+                                   "this trainer flushes nothing until it is back (tried again every second)")
+                return
+            self._said_unreachable = False
+            _unsaid.append(f"the guard at {shown(self.guard)} went away (pid {ended}); handed over again to pid "
+                           f"{self.pid}")
+            return
         try:
             self._start()
         except (FlushError, ConfigError) as exc:
@@ -409,9 +484,9 @@ def _ledger_folder(ledger: str | None, environ: Mapping[str, str]) -> str | None
     return os.path.abspath(folder)
 
 
-def watchdog(args: Any, *, environ: Mapping[str, str] | None = None,
+def watchdog(args: Any, *, guard: str | None = None, environ: Mapping[str, str] | None = None,
              **options: Unpack[HookOptionKwargs]) -> Watchdog:
-    """Arm a watchdog process that flushes every instance of ``args`` when this process ends.
+    """Arm a watchdog that flushes every instance of ``args`` when this process ends.
 
     However the trainer ends (SIGKILL, the OOM killer, a segfault, ``os._exit``, an exception, a
     normal exit, Ctrl-C, a Ray actor's death), the watchdog sees the end-of-file of a pipe only
@@ -420,23 +495,32 @@ def watchdog(args: Any, *, environ: Mapping[str, str] | None = None,
     exits: at most ``deadline`` plus about a second after the trainer. It runs in its own session
     (a double fork), ignores SIGINT, SIGTERM and SIGHUP, and uses no CPU while it waits.
 
+    With ``guard`` (or ``SWE_FLUSH_GUARD``), the watchdog is a ``swe-flush guard`` outside the
+    container, reached over its Unix socket: the end of this connection flushes, so a death that
+    takes the whole container (PID 1 dying, a group OOM kill) is covered too. Arming waits up to
+    10 s for the socket; if the guard goes away, ``armed`` turns False and the next ``refresh()``
+    or ``abort(args)`` reconnects (at most once a second). A guard asked for never falls back to
+    a local process.
+
     Servers and bearers are read from ``environ`` like ``abort`` does; the ids from ``args``.
     Hand changed ids over with ``Watchdog.refresh()`` or any ``abort(args)`` (the same ``args``
-    object). Secrets travel over the pipe, never on its command line.
+    object). Secrets travel over the pipe or socket, never on a command line.
 
     Args:
         args: trainer args (attributes) or a Mapping; the same object for ``abort`` and the hooks.
+        guard: the socket path of a ``swe-flush guard`` (default ``SWE_FLUSH_GUARD``; unset: a
+            local watchdog process).
         environ: the environment to read instead of ``os.environ``.
         **options: as for ``abort`` but ``linger``; ``until_idle`` defaults to True here.
-            ``ledger``: a directory (default ``SWE_FLUSH_LEDGER``) where the watchdog keeps a
-            record of the ids for ``recover()``.
+            ``ledger``: a directory (default ``SWE_FLUSH_LEDGER``) where a local watchdog keeps a
+            record of the ids for ``recover()`` (a guard keeps records in its own ``--ledger``).
 
     Returns:
         The armed ``Watchdog``; the same one when called again for the same ``args``.
 
     Raises:
-        ConfigError: a bad option, bad ``args``, or no agent server configured.
-        FlushError: the watchdog process could not be started.
+        ConfigError: a bad option, bad ``args``, a bad ``guard`` path, or no agent server configured.
+        FlushError: the watchdog process could not be started, or no guard answered in 10 s.
 
     Example:
         >>> guard = watchdog(args, deadline=30)  # doctest: +SKIP
@@ -446,21 +530,36 @@ def watchdog(args: Any, *, environ: Mapping[str, str] | None = None,
     env = os.environ if environ is None else environ
     if not resolve_server_urls(env):
         raise ConfigError(f"watchdog: no agent server configured ({' and '.join(URL_ENV_VARS)} unset)")
+    socket_path = _guard_path(guard, env)
+    ledger = None if socket_path is not None else _ledger_folder(flush_options.ledger, env)
     with _lock:
         known = [armed for armed in _watchdogs if armed._args is args]
-        guard = known[0] if known else Watchdog(args, environ, flush_options, _ledger_folder(flush_options.ledger, env))
-        if known and guard.armed:
-            return guard
+        keeper = known[0] if known else Watchdog(args, environ, flush_options, ledger, socket_path)
+        if known and keeper.armed:
+            return keeper
         if not known:
-            _watchdogs.append(guard)  # before it starts: a signal hook meanwhile can disarm it
+            _watchdogs.append(keeper)  # before it starts: a signal hook meanwhile can disarm it
     try:
-        guard._start()
+        keeper._start()
     except BaseException:
         with _lock:
-            if guard in _watchdogs:
-                _watchdogs.remove(guard)
+            if keeper in _watchdogs:
+                _watchdogs.remove(keeper)
         raise
-    return guard
+    return keeper
+
+
+def _guard_path(guard: str | None, environ: Mapping[str, str]) -> str | None:
+    """The guard's socket path (argument, else ``SWE_FLUSH_GUARD``), checked; None for a local watchdog."""
+    path = guard if guard is not None else (environ.get(GUARD_ENV_VAR) or "").strip() or None
+    if path is None:
+        return None
+    source = "guard" if guard is not None else GUARD_ENV_VAR
+    if not isinstance(path, str) or not path.strip() or "\0" in path:
+        raise ConfigError(f"{source} must be a socket path (a non-empty str)")
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+        raise ConfigError(f"{source}: a Unix socket path is at most {MAX_SOCKET_PATH} bytes")
+    return path
 
 
 def refresh_watchdogs(args: Any, *, rearm: bool = True) -> None:

@@ -18,16 +18,17 @@ reads the records with the helpers below.
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib
 import json
 import os
-import select
+import selectors
 import signal
 import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
 RECORD_VERSION: Final = 1
 MAX_STATE_BYTES: Final = 64 << 20  # a control line, and so a ledger record (smaller), is at most this long
 RECORD_SUFFIX: Final = ".json"
+CANCEL: Final = b"\x18"  # ends a line written only in part: "drop this line" (JSON never holds a raw one)
+STATUS: Final = b"status"  # a guard's answer to {"status": true}: "status PID"
 HELD: Final = b"held"  # "held SEQ PID": the watchdog holds state SEQ whole (the first one: it is armed)
 LEDGER: Final = b"ledger"  # "ledger ok", or "ledger WHY" when its record could not be written
 SAY_TIMEOUT: Final = 0.5  # seconds a line to the inherited stderr may take (a reader that stopped reading)
@@ -124,10 +127,13 @@ class _RecordKeeper:
     def __init__(self, folder: str, trainer_pid: int, heartbeat: float) -> None:
         self.heartbeat = heartbeat
         self._host = host_name()
-        self._started = process_start_time(trainer_pid)
+        self._started = process_start_time(trainer_pid) if trainer_pid > 0 else None
         self._pid = trainer_pid
         self._boot = boot_id()
-        self._namespace = pid_namespace()  # the trainer's too: it started us
+        # Where the pid means something: ours (the watchdog's trainer started it; a guard sees its
+        # peers' pids translated into its own namespace). None when the pid is unknown here: the
+        # heartbeat then decides.
+        self._namespace = pid_namespace() if self._started is not None else None
         self._watchdog = {"watchdog_pid": os.getpid(), "watchdog_start_time": process_start_time(os.getpid())}
         self.path = os.path.join(folder, record_file_name(self._host, trainer_pid, self._started, os.getpid()))
         self._state: Mapping[str, Any] = {}
@@ -145,6 +151,19 @@ class _RecordKeeper:
     def remove(self) -> None:
         with contextlib.suppress(OSError):
             os.unlink(self.path)
+
+    def remove_older(self) -> None:
+        """Remove this trainer's records kept by watchdogs or guards that are gone (a guard restarted
+        while the trainer lived: the trainer reconnected, so its new record is the one to keep)."""
+        mine = os.path.basename(self.path)
+        prefix = mine[:-len(RECORD_SUFFIX)].rpartition(".")[0] + "."
+        with contextlib.suppress(OSError):
+            for name in os.listdir(os.path.dirname(self.path)):
+                keeper = name[len(prefix):-len(RECORD_SUFFIX)]
+                if name != mine and name.startswith(prefix) and name.endswith(RECORD_SUFFIX) and keeper.isdigit() \
+                        and process_start_time(int(keeper)) is None:
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(os.path.dirname(self.path), name))
 
 
 def _say(line: str) -> None:
@@ -179,51 +198,93 @@ def _detach() -> None:
         pass
 
 
-class _Watch:
-    """The watchdog's state: the last state it holds whole, the ledger record, the ready pipe."""
+class Channel:
+    """One trainer's control channel: the lines it sends, our word back, its ledger record.
 
-    def __init__(self, trainer_pid: int, ready_fd: int) -> None:
+    ``strict`` (a guard's connections): a malformed line, a line over the bound or a message of
+    the wrong shape ends the channel (``error`` says why). Otherwise (the watchdog's own pipe,
+    written only by its trainer) such a line is skipped.
+    """
+
+    def __init__(self, read_fd: int, reply_fd: int, trainer_pid: int, *, strict: bool = False) -> None:
+        self.read_fd = read_fd
+        self.reply_fd = reply_fd
         self.trainer_pid = trainer_pid
+        self.strict = strict
         self.state: dict[str, Any] | None = None
         self.ledger: _RecordKeeper | None = None
-        self._ready_fd = ready_fd
-        self._preloaded = False
+        self.disarmed = False
+        self.error: str | None = None
+        self.next_beat = float("inf")
+        self._pending = b""
         self._ledger_error: str | None = None
-        os.set_blocking(ready_fd, False)  # a trainer that does not read our word never stops us
+        os.set_blocking(reply_fd, False)  # a trainer that does not read our word never stops us
 
-    def take(self, line: bytes) -> bool:
-        """Apply one control line; False on disarm."""
+    def read(self) -> bool:
+        """Take what can be read; False when the channel has ended (end-of-file, disarm, ``error``)."""
+        try:
+            chunk = os.read(self.read_fd, 1 << 20)
+        except BlockingIOError:
+            return True
+        except OSError as exc:  # ECONNRESET: the peer is gone
+            if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+                return True
+            chunk = b""
+        if not chunk:
+            return False
+        self._pending += chunk
+        *lines, self._pending = self._pending.split(b"\n")
+        if len(self._pending) > MAX_STATE_BYTES + 1024:
+            return self._bad(f"a line over {MAX_STATE_BYTES} bytes")
+        return all(self._take(line) for line in lines)
+
+    def _bad(self, why: str) -> bool:
+        if self.strict:
+            self.error = why
+            return False
+        self._pending = b""
+        return True
+
+    def _take(self, line: bytes) -> bool:
+        """Apply one line; False when the channel ends (disarm, or a strict channel's bad line)."""
+        if line.endswith(CANCEL) or not line:
+            return True  # a line the trainer could write only in part and then ended: the next one replaces it
         try:
             message = json.loads(line)
         except ValueError:
-            return True  # a line the trainer cut and ended early: the next state replaces it
+            return self._bad("a line that is not JSON")
         if not isinstance(message, dict):
-            return True
-        if message.get("disarm"):
+            return self._bad("a message that is not an object")
+        if message.get("disarm") is True:
+            self.disarmed = True
             return False
+        if message.get("status") is True:
+            self.tell(STATUS + b" %d" % os.getpid())
+            return True
         state, seq = message.get("state"), message.get("seq")
-        if isinstance(state, dict) and isinstance(seq, int):
-            self.state = state
-            self._keep_record(state)  # first: once watchdog() or refresh() returns, recover() can see it
-            self._tell(HELD + b" %d %d" % (seq, os.getpid()))
-            if not self._preloaded:  # while watchdog() returns
-                self._preloaded = True
-                for module in PRELOADED:
-                    importlib.import_module(module)
+        if not isinstance(state, dict) or isinstance(seq, bool) or not isinstance(seq, int):
+            return self._bad("a message of the wrong shape")
+        first = self.state is None
+        self.state = state
+        self.keep_record(state)  # first: once watchdog() or refresh() returns, recover() can see it
+        if first and self.ledger is not None:
+            self.ledger.remove_older()
+        self.tell(HELD + b" %d %d" % (seq, os.getpid()))
         return True
 
-    def _tell(self, word: bytes) -> None:
+    def tell(self, word: bytes) -> None:
         """One line to the trainer; dropped when the trainer is gone or has not read for long."""
         with contextlib.suppress(OSError):
-            os.write(self._ready_fd, word + b"\n")
+            os.write(self.reply_fd, word + b"\n")
 
-    def _keep_record(self, state: dict[str, Any] | None = None) -> None:
+    def keep_record(self, state: dict[str, Any] | None = None) -> None:
         """Write the ledger record (with ``state``, else a heartbeat); say once per kind when it fails."""
         folder = state.get("ledger") if state is not None else None
         if self.ledger is None and isinstance(folder, str) and state is not None:
             self.ledger = _RecordKeeper(folder, self.trainer_pid, float(state.get("heartbeat", 10.0)))
         if self.ledger is None:
             return
+        self.next_beat = time.monotonic() + self.ledger.heartbeat
         try:
             self.ledger.write(state)
         except OSError as exc:
@@ -232,41 +293,72 @@ class _Watch:
             error = None
         if error != self._ledger_error:
             self._ledger_error = error
-            self._tell(LEDGER + b" " + (b"ok" if error is None else error.encode("utf-8", "replace")))
+            self.tell(LEDGER + b" " + (b"ok" if error is None else error.encode("utf-8", "replace")))
             if error is not None:
                 _say(f"swe-flush watchdog for pid {self.trainer_pid}: cannot write the ledger record: {error}")
-
-    def wait_for_end(self, control_fd: int) -> bool:
-        """Block until end-of-file (True) or disarm (False); heartbeats in between."""
-        pending = b""
-        while True:
-            timeout = self.ledger.heartbeat if self.ledger is not None else None
-            readable, _, _ = select.select([control_fd], [], [], timeout)
-            if not readable:
-                self._keep_record()
-                continue
-            chunk = os.read(control_fd, 1 << 20)
-            if not chunk:
-                return True
-            pending += chunk
-            *lines, pending = pending.split(b"\n")
-            for line in lines:
-                if not self.take(line):
-                    return False
 
     def flush(self) -> FlushReport | None:
         """Flush the last state's pairs with the public ``flush``; None when there was nothing to flush."""
         state = self.state
         if state is None or not state.get("ids") or not state.get("urls"):
             return None
-        sys.path[:] = state.get("sys_path") or sys.path
-        from swe_flush_sync import flush  # imported only now: the wait stays lean
+        from swe_flush_sync import flush  # imported only now: the watchdog's wait stays lean
 
-        tokens: dict[str, str] | None = state.get("tokens")
+        tokens = state.get("tokens")
         options = dict(state.get("options") or {})
-        if tokens is not None:
+        if isinstance(tokens, dict):
             options["bearer"] = tokens.__getitem__  # a missing token fails that pair only
         return flush(state["urls"], state["ids"], linger=0.0, **options)
+
+    def settle(self, report: FlushReport | None) -> None:
+        """Remove the record after a flush that succeeded (or nothing to flush, or a disarm)."""
+        if self.ledger is not None and (report is None or report.ok):
+            self.ledger.remove()
+
+
+class WatchLoop:
+    """One thread, many channels (``selectors``): reads them, keeps their records' heartbeats, and
+    hands each one that ends to ``on_end``. The watchdog runs it over its one pipe; a guard adds a
+    listening socket (``on_ready`` for extra descriptors)."""
+
+    def __init__(self, on_end: Callable[[Channel], None]) -> None:
+        self.selector = selectors.DefaultSelector()
+        self.channels: list[Channel] = []
+        self._on_end = on_end
+
+    def add(self, channel: Channel) -> None:
+        self.selector.register(channel.read_fd, selectors.EVENT_READ, channel)
+        self.channels.append(channel)
+
+    def watch(self, fd: int, on_ready: Callable[[], None]) -> None:
+        """Call ``on_ready`` whenever ``fd`` is readable (a listening socket, a signal's wake-up pipe)."""
+        self.selector.register(fd, selectors.EVENT_READ, on_ready)
+
+    def unwatch(self, fd: int) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.unregister(fd)
+
+    def end(self, channel: Channel) -> None:
+        self.unwatch(channel.read_fd)
+        self.channels.remove(channel)
+        self._on_end(channel)
+
+    def run_once(self, timeout: float | None = None) -> None:
+        """Wait for something to read (at most ``timeout``, and never past a heartbeat); handle it."""
+        beats = [channel.next_beat for channel in self.channels]
+        if beats and min(beats) != float("inf"):
+            left = max(min(beats) - time.monotonic(), 0.0)
+            timeout = left if timeout is None else min(timeout, left)
+        for key, _ in self.selector.select(timeout):
+            if isinstance(key.data, Channel):
+                if not key.data.read():
+                    self.end(key.data)
+            else:
+                key.data()
+        now = time.monotonic()
+        for channel in self.channels:
+            if channel.next_beat <= now:
+                channel.keep_record()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -278,20 +370,38 @@ def main(argv: list[str] | None = None) -> None:
     trainer_pid = int(args["--trainer-pid"])
     control_fd, ready_fd = int(args["--control-fd"]), int(args["--ready-fd"])
     _detach()
-    watch = _Watch(trainer_pid, ready_fd)
+    ended: list[Channel] = []
+    loop = WatchLoop(ended.append)
+    channel = Channel(control_fd, ready_fd, trainer_pid)
+    loop.add(channel)
     code, said = 0, ""
     try:
-        if watch.wait_for_end(control_fd):
-            report = watch.flush()
+        while not ended:
+            loop.run_once()
+            if channel.state is not None and not _preloaded:
+                _preload()  # once it holds a state: while watchdog() returns
+        if channel.disarmed:
+            channel.settle(None)  # the trainer's own hook flushed everything
+        else:
+            sys.path[:] = (channel.state or {}).get("sys_path") or sys.path  # the trainer's swe_flush_sync
+            report = channel.flush()
             code = 0 if report is None or report.ok else 1
             said = "" if report is None else f"trainer gone; {report.summary()}"
-        if code == 0 and watch.ledger is not None:  # flushed, or disarmed: the trainer's own hook flushed
-            watch.ledger.remove()
+            channel.settle(report)
     except Exception as exc:  # noqa: BLE001 - the last words of a process nobody waits for
         code, said = 2, f"failed: {type(exc).__name__}"
     if said:  # after the record is settled: a stalled stderr holds us at most SAY_TIMEOUT
         _say(f"swe-flush watchdog for pid {trainer_pid}: {said}")
     os._exit(code)  # no lingering worker thread (a DNS lookup, a connect) may hold the exit
+
+
+_preloaded: list[str] = []
+
+
+def _preload() -> None:
+    for module in PRELOADED:
+        importlib.import_module(module)
+    _preloaded.append("done")
 
 
 if __name__ == "__main__":

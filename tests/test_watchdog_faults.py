@@ -259,13 +259,13 @@ def test_7_a_fork_during_arming_never_hides_the_death(stub: AgentServerStub) -> 
         children, arming = [], threading.Event()
         def fork_meanwhile():  # a data loader's workers, forked by another thread
             arming.wait()
-            while arming.is_set() and len(children) < 30:
+            while arming.is_set() and len(children) < 200:  # all through the arming
                 child = os.fork()
                 if child == 0:
                     time.sleep(20)
                     os._exit(0)
                 children.append(child)
-                time.sleep(0.002)
+                time.sleep(0.005)
         forker = threading.Thread(target=fork_meanwhile)
         forker.start()
         arming.set()
