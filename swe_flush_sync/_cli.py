@@ -1,4 +1,4 @@
-"""The ``swe-flush`` command line: flush instances from a shell, ``swe-flush demo``, ``swe-flush stub``.
+"""The ``swe-flush`` command line: flush instances from a shell, ``demo``, ``stub``, ``recover``, ``guard``.
 
 Exit codes: 0 all flushed or nothing to do; 1 some target failed; 2 usage or configuration
 error (one line on stderr, or one JSON object with ``--json``; no traceback); 130 interrupted
@@ -27,6 +27,7 @@ from . import __version__
 from ._auth import StaticBearer
 from ._errors import ConfigError, FlushError
 from ._flusher import Flusher
+from ._guard import DEFAULT_DRAIN, guard_status, run_guard
 from ._ledger import recover
 from ._lifecycle import abort
 from ._options import DEFAULT_DEADLINE
@@ -55,6 +56,7 @@ USAGE = """swe-flush [--url URL]... [--id ID]... [--ids-json PATH|-] [--secret-f
        swe-flush recover DIR [--url URL]... [--secret-file PATH]
                              [--ca-bundle PATH] [--client-cert PATH [--client-key PATH]]
                              [--deadline S] [--workers N] [--retries N] [--json] [-q | -v]
+       swe-flush guard --socket PATH [--ledger DIR] [--drain SECONDS] [-v] | --socket PATH --status
        swe-flush stub [--host H] [--port P] [--teardown S] [--max-concurrent N] [--secret-env VAR]"""
 EXIT_INTERRUPTED = 130
 _OPTION_FLAGS = {"servers": "--url", "max_workers": "--workers", "deadline": "--deadline", "retries": "--retries",
@@ -165,6 +167,38 @@ def _recover_parser() -> _Parser:
     return parser
 
 
+def _guard_parser() -> _Parser:
+    parser = _Parser(prog="swe-flush guard", allow_abbrev=False,
+                     description="Listen on a Unix socket for trainers (watchdog(args, guard=PATH)); flush each "
+                                 "trainer whose connection ends without a disarm. Run it outside the trainer's "
+                                 "container (a sidecar). Its first line of output starts with 'guarding '.")
+    parser.add_argument("--socket", required=True, metavar="PATH", help="the Unix socket to listen on (mode 0600)")
+    parser.add_argument("--ledger", metavar="DIR",
+                        help="keep each connected trainer's record there, and recover the records of gone owners "
+                             "(servers and bearer from this process's environment)")
+    parser.add_argument("--drain", type=float, default=DEFAULT_DRAIN, metavar="SECONDS",
+                        help=f"after SIGTERM or SIGINT, watch the connected trainers this long (default "
+                             f"{DEFAULT_DRAIN:g})")
+    parser.add_argument("--status", action="store_true",
+                        help="print the guard's pid and how many trainers it holds; exit 1 when none answers")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="log to stderr (-v: INFO, -vv: DEBUG)")
+    return parser
+
+
+def _run_guard(ns: argparse.Namespace) -> int:
+    if ns.status:
+        answer = guard_status(ns.socket)
+        if answer is None:
+            print(f"no guard answers at {shown(ns.socket)}")
+            return EXIT_FAILED
+        print(f"guard pid {answer[0]}, {answer[1]} trainers")
+        return EXIT_OK
+    if not ns.drain >= 0:
+        raise ConfigError("--drain must be a number of seconds, 0 or more")
+    with _logging_to_stderr(_verbosity(ns.verbose)):
+        return run_guard(ns.socket, ns.ledger, ns.drain)
+
+
 def _add_tls(parser: _Parser) -> None:
     parser.add_argument("--ca-bundle", metavar="PATH",
                         help="CA certificates for https servers: a PEM file or a directory (default: "
@@ -198,7 +232,7 @@ def _stub_parser() -> _Parser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``swe-flush`` with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = argv[0] if argv and argv[0] in ("demo", "stub", "recover") else None
+    command = argv[0] if argv and argv[0] in ("demo", "stub", "recover", "guard") else None
     as_json = "--json" in argv
     try:
         if command == "demo":
@@ -207,6 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_stub(_stub_parser().parse_args_naming_unknown(argv[1:]))
         if command == "recover":
             return _run_recover(_recover_parser().parse_args_naming_unknown(argv[1:]))
+        if command == "guard":
+            return _run_guard(_guard_parser().parse_args_naming_unknown(argv[1:]))
         return _run_flush(_flush_parser().parse_args_naming_unknown(argv))
     except (_UsageError, FlushError) as exc:
         message = _name_flags(str(exc))

@@ -162,10 +162,13 @@ class Watchdog:
             ConfigError: ``args`` or the environment holds a bad value.
         """
         payload, pairs = self._state()  # user code: no lock held
-        if self.guard is not None and not self._disarmed and (self._lost or not self.armed):
-            self._rearm()  # the guard went away (a sidecar restarted): reconnect, at most once a second
+        written, held = self._written, self._held
+        if self.guard is not None and not self._disarmed:
+            with _lock:
+                alive = not self._lost and self._talk()
+            if not alive:
+                self._rearm()  # the guard went away (a sidecar restarted): reconnect, at most once a second
         with _lock:
-            written, held = self._written, self._held
             if not self._talk():
                 return False
             caught_up = self._held == self._seq and not self._outbox
@@ -314,9 +317,10 @@ class Watchdog:
         self._outbox.clear()
         self._cut = False
 
-    def _start(self, patience: float = ARM_TIMEOUT) -> None:
+    def _start(self, patience: float | None = None) -> None:
         """Start the watchdog process, or connect to the guard, hand it the state and wait (up to
-        ``patience``) until it says it holds it whole."""
+        ``patience``, default ``ARM_TIMEOUT``) until it says it holds it whole."""
+        patience = ARM_TIMEOUT if patience is None else patience
         payload, pairs = self._state()  # user code: before any lock
         process = None
         if self.guard is not None:

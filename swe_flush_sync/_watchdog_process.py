@@ -38,7 +38,7 @@ RECORD_VERSION: Final = 1
 MAX_STATE_BYTES: Final = 64 << 20  # a control line, and so a ledger record (smaller), is at most this long
 RECORD_SUFFIX: Final = ".json"
 CANCEL: Final = b"\x18"  # ends a line written only in part: "drop this line" (JSON never holds a raw one)
-STATUS: Final = b"status"  # a guard's answer to {"status": true}: "status PID"
+STATUS: Final = b"status"  # the answer to {"status": true}: "status PID TRAINERS"
 HELD: Final = b"held"  # "held SEQ PID": the watchdog holds state SEQ whole (the first one: it is armed)
 LEDGER: Final = b"ledger"  # "ledger ok", or "ledger WHY" when its record could not be written
 SAY_TIMEOUT: Final = 0.5  # seconds a line to the inherited stderr may take (a reader that stopped reading)
@@ -206,11 +206,14 @@ class Channel:
     written only by its trainer) such a line is skipped.
     """
 
-    def __init__(self, read_fd: int, reply_fd: int, trainer_pid: int, *, strict: bool = False) -> None:
+    def __init__(self, read_fd: int, reply_fd: int, trainer_pid: int, *, strict: bool = False,
+                 ledger: str | None = None, status: Callable[[], int] | None = None) -> None:
         self.read_fd = read_fd
         self.reply_fd = reply_fd
         self.trainer_pid = trainer_pid
         self.strict = strict
+        self._ledger_folder = ledger if strict else None  # a guard's own --ledger; the pipe's comes with the state
+        self._status = status
         self.state: dict[str, Any] | None = None
         self.ledger: _RecordKeeper | None = None
         self.disarmed = False
@@ -258,8 +261,8 @@ class Channel:
         if message.get("disarm") is True:
             self.disarmed = True
             return False
-        if message.get("status") is True:
-            self.tell(STATUS + b" %d" % os.getpid())
+        if message.get("status") is True:  # a probe (swe-flush guard --status): how many trainers are held
+            self.tell(STATUS + b" %d %d" % (os.getpid(), self._status() if self._status else 1))
             return True
         state, seq = message.get("state"), message.get("seq")
         if not isinstance(state, dict) or isinstance(seq, bool) or not isinstance(seq, int):
@@ -279,7 +282,7 @@ class Channel:
 
     def keep_record(self, state: dict[str, Any] | None = None) -> None:
         """Write the ledger record (with ``state``, else a heartbeat); say once per kind when it fails."""
-        folder = state.get("ledger") if state is not None else None
+        folder = self._ledger_folder if self.strict else state.get("ledger") if state is not None else None
         if self.ledger is None and isinstance(folder, str) and state is not None:
             self.ledger = _RecordKeeper(folder, self.trainer_pid, float(state.get("heartbeat", 10.0)))
         if self.ledger is None:
