@@ -160,9 +160,9 @@ def namespace_init(unshare: subprocess.Popen[str], timeout: float = 10) -> int:
     return found[0]
 
 
-def contained_trainer(stub: AgentServerStub, body: str) -> subprocess.Popen[str]:
+def contained_trainer(stub: AgentServerStub, body: str, **env_vars: str) -> subprocess.Popen[str]:
     """A trainer as PID 1 of its own PID namespace (a container's main process)."""
-    env = subprocess_env(AGENT_SERVER_URL=stub.url, HARBOR_ADMIN_SECRET=SECRET)
+    env = subprocess_env(AGENT_SERVER_URL=stub.url, HARBOR_ADMIN_SECRET=SECRET, **env_vars)
     return spawn(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", PYTHON, "-c",
                   PRELUDE + textwrap.dedent(body)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                  start_new_session=True)

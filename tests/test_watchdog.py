@@ -45,10 +45,11 @@ def wait_until(condition: Callable[[], bool], timeout: float) -> bool:
 class Trainer:
     """A child trainer running ``PRELUDE + body`` in its own session, against ``stub``."""
 
-    def __init__(self, stub: AgentServerStub, body: str, **env: str) -> None:
+    def __init__(self, stub: AgentServerStub, body: str, *, stdin: bool = False, **env: str) -> None:
         environ = subprocess_env(**{"AGENT_SERVER_URL": stub.url, "HARBOR_ADMIN_SECRET": SECRET, **env})
         self.proc = spawn([PYTHON, "-c", PRELUDE + textwrap.dedent(body)], stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, env=environ, start_new_session=True)
+                          stderr=subprocess.PIPE, env=environ, start_new_session=True,
+                          stdin=subprocess.PIPE if stdin else None)
         self.watchdog_pid = 0
         self.lines: list[str] = []
 
@@ -64,6 +65,12 @@ class Trainer:
         self.watchdog_pid = int(self.read("ARMED")[1])
         _watchdog_pids.append(self.watchdog_pid)
         return self.watchdog_pid
+
+    def go_on(self, line: str = "") -> None:
+        """One line to the trainer's stdin (``stdin=True``): a trainer waiting in ``sys.stdin.readline()`` goes on."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
 
     def death(self, timeout: float = 20) -> float:
         """When the trainer was seen to have ended (polled every few ms)."""

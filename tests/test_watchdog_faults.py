@@ -1,6 +1,8 @@
 """The watchdog and the ledger under the faults a long training job brings (issue 29): threads,
 signals, full pipes, stopped processes, a removed ledger, closed descriptors. One test per defect,
-each over real processes; the numbers in the test names are the issue's."""
+each over real processes; the numbers in the test names are the issue's. Defect 11 (a dead
+watchdog unreported while the ids stay the same) is tested in ``test_watchdog``
+(``test_a_killed_watchdog_is_noticed_and_rearmed``)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,6 @@ import argparse
 import os
 import shutil
 import signal
-import subprocess
 import textwrap
 import time
 from collections import Counter
@@ -73,35 +74,8 @@ def test_1_sigterm_hook_never_waits_on_a_thread_stuck_in_user_code(stub: AgentSe
     assert trainer.proc.returncode == -signal.SIGTERM
 
 
-@pytest.fixture
-def stdin_trainer(stub: AgentServerStub) -> Iterator[Callable[..., Trainer]]:
-    """A ``Trainer`` whose stdin the test writes lines to (one line: go on). Defect 11 (a dead
-    watchdog unreported while the ids stay the same) is tested in ``test_watchdog``
-    (``test_a_killed_watchdog_is_noticed_and_rearmed``)."""
-    made: list[Trainer] = []
-
-    def make(body: str, **env: str) -> Trainer:
-        environ = subprocess_env(**{"AGENT_SERVER_URL": stub.url, "HARBOR_ADMIN_SECRET": SECRET, **env})
-        trainer = Trainer.__new__(Trainer)
-        trainer.proc = spawn([PYTHON, "-c", PRELUDE + textwrap.dedent(body)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environ, start_new_session=True)
-        trainer.watchdog_pid = 0
-        trainer.lines = []
-        made.append(trainer)
-        return trainer
-
-    yield make
-
-
-def go_on(trainer: Trainer) -> None:
-    assert trainer.proc.stdin is not None
-    trainer.proc.stdin.write("\n")
-    trainer.proc.stdin.flush()
-
-
-def test_2_part_of_a_state_reaches_the_watchdog_after_a_stop(stdin_trainer: Callable[..., Trainer],
-                                                             stub: AgentServerStub) -> None:
-    trainer = stdin_trainer(f"""
+def test_2_part_of_a_state_reaches_the_watchdog_after_a_stop(stub: AgentServerStub) -> None:
+    trainer = Trainer(stub, stdin=True, body=f"""
         guard = watchdog(args, until_idle=False, deadline=20)
         armed(guard)
         sys.stdin.readline()  # the test stops the watchdog
@@ -115,12 +89,12 @@ def test_2_part_of_a_state_reaches_the_watchdog_after_a_stop(stdin_trainer: Call
     pid = trainer.armed()
     os.kill(pid, signal.SIGSTOP)
     assert wait_until(lambda: stopped(pid), 2.0)
-    go_on(trainer)
+    trainer.go_on()
     words = trainer.read("STOPPED")
     assert words[1:3] == ["False", "False"] and float(words[3]) < 1.0  # not confirmed, and armed says so
     os.kill(pid, signal.SIGCONT)
     time.sleep(0.2)  # the next step comes a moment after the watchdog runs again
-    go_on(trainer)
+    trainer.go_on()
     assert trainer.read("AGAIN")[1:] == ["True", "True"]  # the same ids: the rest is written all the same
     trainer.proc.kill()
     trainer.death()
@@ -130,13 +104,12 @@ def test_2_part_of_a_state_reaches_the_watchdog_after_a_stop(stdin_trainer: Call
 
 @pytest.mark.parametrize("then", ["SIGKILL", "a normal exit"])
 @pytest.mark.parametrize("previous", ["a graceful-stop handler", "SIG_IGN"])
-def test_3_a_sigterm_the_trainer_survives_keeps_the_watchdog_armed(stdin_trainer: Callable[..., Trainer],
-                                                                  stub: AgentServerStub, previous: str,
+def test_3_a_sigterm_the_trainer_survives_keeps_the_watchdog_armed(stub: AgentServerStub, previous: str,
                                                                   then: str) -> None:
     handler = "lambda signum, frame: print('GRACEFUL', flush=True)" if previous != "SIG_IGN" else "signal.SIG_IGN"
     for instance_id in IDS:
         stub.add_trials(instance_id, 1)
-    trainer = stdin_trainer(f"""
+    trainer = Trainer(stub, stdin=True, body=f"""
         signal.signal(signal.SIGTERM, {handler})
         armed(watchdog(args, until_idle=False))
         flush_on_signal(args, until_idle=False)
@@ -151,7 +124,7 @@ def test_3_a_sigterm_the_trainer_survives_keeps_the_watchdog_armed(stdin_trainer
     trainer.read("READY")
     trainer.proc.send_signal(signal.SIGTERM)
     assert wait_until(lambda: len(stub.requests) == len(IDS), 5.0)
-    go_on(trainer)
+    trainer.go_on()
     trainer.read("GOING_ON")
     assert trainer.proc.poll() is None and not gone(pid)  # it survived, and so did its watchdog
     assert [stub.trials(i) for i in IDS] == [0, 0, 0]
@@ -163,9 +136,7 @@ def test_3_a_sigterm_the_trainer_survives_keeps_the_watchdog_armed(stdin_trainer
         assert wait_until(lambda: [stub.trials(i) for i in IDS] == [0, 0, 0], 3.0), "the watchdog flushed nothing"
         assert Counter(stub.flushed_ids()) == dict.fromkeys(IDS, 2)
     else:  # nothing since the SIGTERM's flush: it was the last one; each pair flushed once
-        assert trainer.proc.stdin is not None
-        trainer.proc.stdin.write("exit\n")
-        trainer.proc.stdin.flush()
+        trainer.go_on("exit")
         trainer.death()
         assert wait_until(lambda: gone(pid), 2.0)
         time.sleep(0.2)
@@ -339,9 +310,8 @@ def test_9_big_records_and_long_ids_are_recovered(stub: AgentServerStub, tmp_pat
     assert [path.name for path in tmp_path.iterdir()] == [record.name + ".bad"]
 
 
-def test_10_a_stopped_watchdog_costs_one_state_and_no_waiting(stdin_trainer: Callable[..., Trainer],
-                                                              stub: AgentServerStub) -> None:
-    trainer = stdin_trainer("""
+def test_10_a_stopped_watchdog_costs_one_state_and_no_waiting(stub: AgentServerStub) -> None:
+    trainer = Trainer(stub, stdin=True, body="""
         import tracemalloc
         guard = watchdog(args, until_idle=False, deadline=20)
         armed(guard)
@@ -361,13 +331,13 @@ def test_10_a_stopped_watchdog_costs_one_state_and_no_waiting(stdin_trainer: Cal
     pid = trainer.armed()
     os.kill(pid, signal.SIGSTOP)
     assert wait_until(lambda: stopped(pid), 2.0)
-    go_on(trainer)
+    trainer.go_on()
     words = trainer.read("STEPS", timeout=60)
     assert float(words[1]) < 0.5 * 3 + 5.0  # at most one wait, not 60 x 0.5 s (a margin for a slow machine)
     assert int(words[2]) < 2_000_000  # about one state's worth is kept, not 60 of them (0.4.0: 27 MB)
     os.kill(pid, signal.SIGCONT)
     time.sleep(0.2)
-    go_on(trainer)
+    trainer.go_on()
     assert trainer.read("AGAIN")[1:] == ["True", "True"]
     trainer.proc.kill()
     trainer.death()

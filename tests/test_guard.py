@@ -1,0 +1,370 @@
+"""``swe-flush guard`` (issue 30): a process outside the trainer's container, reached over a Unix
+socket, that flushes a trainer when its connection ends, the whole container's death included.
+Every guard, trainer and container here is a real process, ended by its pid after the test."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import textwrap
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from swe_flush_sync import ConfigError, FlushError, recover, watchdog
+from swe_flush_sync import _watchdog as watchdog_module
+from swe_flush_sync.testing import AgentServerStub
+
+from .conftest import PYTHON, SECRET, read_until, spawn, subprocess_env
+from .test_ledger import ENV, records, write_record
+from .test_ledger_trust import contained_trainer, namespace_init, needs_unshare
+from .test_watchdog import IDS, Trainer, wait_until
+
+
+@dataclass
+class Guard:
+    proc: subprocess.Popen[str]
+    socket: str
+    lines: list[str]
+
+    def stderr(self) -> str:
+        """Its stderr, once it has ended."""
+        assert self.proc.stderr is not None
+        return self.proc.stderr.read()
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A folder with a short path (a socket path is at most 107 bytes; pytest's tmp_path can be longer)."""
+    folder = Path(tempfile.mkdtemp(prefix="sfg-", dir="/tmp"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def start_guard(short_dir: Path) -> Callable[..., Guard]:
+    def start(*extra: str, path: str | None = None, **env: str) -> Guard:
+        socket_path = path or str(short_dir / "run" / "guard.sock")
+        proc = spawn([PYTHON, "-m", "swe_flush_sync", "guard", "--socket", socket_path, *extra],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=subprocess_env(**env),
+                     start_new_session=True)
+        lines: list[str] = []
+        if read_until(proc, lambda line: line.startswith("guarding "), lines) is None:
+            proc.kill()
+            raise AssertionError(f"the guard never said it was guarding: {lines} {proc.communicate()[1]}")
+        return Guard(proc, socket_path, lines)
+
+    return start
+
+
+def guarded_trainer(stub: AgentServerStub, guard: Guard, body: str = "time.sleep(60)", **env: str) -> Trainer:
+    return Trainer(stub, f"""
+        guard = watchdog(args, guard={guard.socket!r}, until_idle=False)
+        print("ARMED", guard.pid, guard.armed, flush=True)
+        {body}
+    """, **env)
+
+
+def test_the_whole_container_dies_and_the_guard_flushes(stub: AgentServerStub,
+                                                        start_guard: Callable[..., Guard]) -> None:
+    guard = start_guard()
+    trainer = guarded_trainer(stub, guard)
+    words = trainer.read("ARMED")
+    assert words[1:] == [str(guard.proc.pid), "True"]
+    trainer.proc.kill()
+    died = trainer.death()
+    assert wait_until(lambda: len(stub.requests) >= len(IDS), 3.0)
+    assert Counter(stub.flushed_ids()) == dict.fromkeys(IDS, 1) and all(r.status == 200 for r in stub.requests)
+    assert all(request.at - died < 1.0 for request in stub.requests)
+    assert guard.proc.poll() is None  # it lives on for everyone else
+
+
+@needs_unshare
+@pytest.mark.parametrize("how", ["guard=", "SWE_FLUSH_GUARD"])
+def test_a_trainer_that_is_pid_1_of_its_container(stub: AgentServerStub, start_guard: Callable[..., Guard],
+                                                  how: str) -> None:
+    guard = start_guard()
+    for instance_id in IDS:
+        stub.add_trials(instance_id, 2)
+    arm = f"watchdog(args, guard={guard.socket!r}, until_idle=False)" if how == "guard=" \
+        else "watchdog(args, until_idle=False)"
+    env = {"SWE_FLUSH_GUARD": guard.socket} if how == "SWE_FLUSH_GUARD" else {}
+    unshare = contained_trainer(stub, f"""
+        guard = {arm}
+        print("ARMED", os.getpid(), guard.guard, flush=True)
+        time.sleep(60)
+    """, **env)
+    init = namespace_init(unshare)
+    assert unshare.stdout is not None
+    assert unshare.stdout.readline().split() == ["ARMED", "1", guard.socket]
+    os.kill(init, signal.SIGKILL)  # PID 1 dies: the kernel kills everything in its namespace
+    unshare.wait(10)
+    assert wait_until(lambda: [stub.trials(i) for i in IDS] == [0, 0, 0], 5.0)
+    time.sleep(0.2)
+    assert Counter(stub.flushed_ids()) == dict.fromkeys(IDS, 1) and guard.proc.poll() is None
+
+
+@needs_unshare
+def test_a_local_watchdog_armed_by_pid_1_warns(stub: AgentServerStub) -> None:
+    unshare = contained_trainer(stub, """
+        import logging
+        logging.basicConfig(level=logging.WARNING)
+        guard = watchdog(args, until_idle=False)
+        print("ARMED", os.getpid(), flush=True)
+        guard.disarm()
+    """)
+    _, err = unshare.communicate(timeout=30)
+    assert "armed by PID 1 of its PID namespace" in err and "swe-flush guard" in err
+    assert err.count("PID 1 of its PID namespace") == 1
+
+
+def test_disarm_then_death_flushes_nothing(stub: AgentServerStub, start_guard: Callable[..., Guard]) -> None:
+    guard = start_guard()
+    trainer = guarded_trainer(stub, guard, """guard.disarm()
+        print("DISARMED", guard.armed, flush=True)
+        time.sleep(60)""")
+    trainer.read("ARMED")
+    assert trainer.read("DISARMED")[1] == "False"
+    trainer.proc.kill()
+    trainer.death()
+    time.sleep(0.5)
+    assert stub.requests == [] and guard.proc.poll() is None
+
+
+def test_refresh_then_death_flushes_the_new_ids(stub: AgentServerStub, start_guard: Callable[..., Guard]) -> None:
+    guard = start_guard()
+    trainer = guarded_trainer(stub, guard, """args.session_server_instance_ids = {9: "wd-new"}
+        print("REFRESHED", guard.refresh(), flush=True)
+        time.sleep(60)""")
+    trainer.read("ARMED")
+    assert trainer.read("REFRESHED")[1] == "True"
+    trainer.proc.kill()
+    trainer.death()
+    assert wait_until(lambda: len(stub.requests) >= 2, 3.0)
+    time.sleep(0.2)
+    assert sorted(stub.flushed_ids()) == ["wd-c", "wd-new"]
+
+
+def test_twelve_trainers_killed_at_once(stub: AgentServerStub, start_guard: Callable[..., Guard]) -> None:
+    guard = start_guard()
+    trainers = []
+    for index in range(12):
+        trainer = Trainer(stub, f"""
+            args = argparse.Namespace(session_server_instance_ids={{1: "t{index}-a", 2: "t{index}-b"}})
+            guard = watchdog(args, guard={guard.socket!r}, until_idle=False)
+            print("ARMED", guard.pid, flush=True)
+            time.sleep(60)
+        """)
+        trainers.append(trainer)
+    for trainer in trainers:
+        trainer.read("ARMED")
+    assert _status(guard) == (guard.proc.pid, 12)
+    for trainer in trainers:
+        trainer.proc.kill()
+    assert wait_until(lambda: len(stub.requests) >= 24, 5.0)
+    time.sleep(0.3)
+    expected = {f"t{index}-{side}": 1 for index in range(12) for side in "ab"}
+    assert Counter(stub.flushed_ids()) == expected and _status(guard) == (guard.proc.pid, 0)
+
+
+def _status(guard: Guard) -> tuple[int, int] | None:
+    out = subprocess.run([PYTHON, "-m", "swe_flush_sync", "guard", "--socket", guard.socket, "--status"],
+                         capture_output=True, text=True, env=subprocess_env(), timeout=30)
+    if out.returncode != 0:
+        assert out.returncode == 1 and "no guard answers" in out.stdout
+        return None
+    words = out.stdout.split()  # guard pid N, M trainers
+    return int(words[2].rstrip(",")), int(words[3])
+
+
+def test_a_restarted_guard_takes_the_trainer_back(stub: AgentServerStub, start_guard: Callable[..., Guard]) -> None:
+    first = start_guard()
+    trainer = Trainer(stub, stdin=True, body=f"""
+        guard = watchdog(args, guard={first.socket!r}, until_idle=False)
+        print("ARMED", guard.pid, guard.armed, flush=True)
+        sys.stdin.readline()
+        print("GONE", guard.armed, flush=True)
+        args.session_server_instance_id = "wd-later"
+        started = time.monotonic()
+        print("REFRESHED", guard.refresh(), guard.armed, guard.pid, round(time.monotonic() - started, 2), flush=True)
+        time.sleep(60)
+    """)
+    trainer.read("ARMED")
+    first.proc.kill()  # the sidecar is restarted
+    first.proc.wait()
+    second = start_guard(path=first.socket)  # the stale socket file is replaced
+    trainer.go_on()
+    assert trainer.read("GONE")[1] == "False"
+    words = trainer.read("REFRESHED")
+    assert words[1:4] == ["True", "True", str(second.proc.pid)] and float(words[4]) < 1.0
+    assert stub.requests == []  # the first guard's death flushed nothing
+    trainer.proc.kill()
+    trainer.death()
+    assert wait_until(lambda: len(stub.requests) >= 3, 3.0)
+    time.sleep(0.2)
+    assert sorted(stub.flushed_ids()) == ["wd-a", "wd-b", "wd-later"]
+
+
+def test_a_live_guard_keeps_its_socket(stub: AgentServerStub, start_guard: Callable[..., Guard],
+                                       short_dir: Path) -> None:
+    guard = start_guard()
+    assert oct(os.stat(guard.socket).st_mode & 0o777) == "0o600"
+    assert oct(os.stat(os.path.dirname(guard.socket)).st_mode & 0o777) == "0o700"  # made for it
+    second = spawn([PYTHON, "-m", "swe_flush_sync", "guard", "--socket", guard.socket], stdout=subprocess.PIPE,
+                   stderr=subprocess.PIPE, env=subprocess_env())
+    out, err = second.communicate(timeout=30)
+    assert second.returncode == 2 and "already serving" in err and guard.socket in err and "guarding" not in out
+    assert _status(guard) == (guard.proc.pid, 0)
+    not_a_socket = short_dir / "file"
+    not_a_socket.write_text("mine")
+    third = subprocess.run([PYTHON, "-m", "swe_flush_sync", "guard", "--socket", str(not_a_socket)],
+                           capture_output=True, text=True, env=subprocess_env(), timeout=30)
+    assert third.returncode == 2 and "is not a socket" in third.stderr and not_a_socket.read_text() == "mine"
+    trainer = guarded_trainer(stub, guard)
+    trainer.read("ARMED")
+    trainer.proc.kill()
+    assert wait_until(lambda: len(stub.requests) >= 3, 3.0)
+
+
+def test_status_live_and_absent(start_guard: Callable[..., Guard], short_dir: Path) -> None:
+    assert _status(Guard(proc=None, socket=str(short_dir / "none.sock"), lines=[])) is None  # type: ignore[arg-type]
+    guard = start_guard()
+    assert _status(guard) == (guard.proc.pid, 0)
+
+
+def test_garbage_costs_only_its_connection(stub: AgentServerStub, start_guard: Callable[..., Guard]) -> None:
+    guard = start_guard()
+    trainer = guarded_trainer(stub, guard)
+    trainer.read("ARMED")
+    for garbage in (b"garbage\xff\x00 not json\n", b'{"seq": "one", "state": []}\n', b"[1, 2, 3]\n"):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as peer:
+            peer.settimeout(5)
+            peer.connect(guard.socket)
+            peer.sendall(garbage)
+            assert peer.recv(100) == b""  # dropped
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as peer:  # a 4 MiB line, never ended
+        peer.connect(guard.socket)
+        peer.sendall(b"x" * (4 << 20))
+        assert _status(guard) == (guard.proc.pid, 1)
+    trainer.proc.kill()
+    assert wait_until(lambda: len(stub.requests) >= 3, 3.0)
+    assert Counter(stub.flushed_ids()) == dict.fromkeys(IDS, 1) and guard.proc.poll() is None
+    guard.proc.send_signal(signal.SIGTERM)
+    assert guard.proc.wait(10) == 0
+    assert guard.stderr().count("dropped the connection") == 3
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a peer of another uid)")
+def test_a_peer_of_another_uid_is_refused(stub: AgentServerStub, start_guard: Callable[..., Guard]) -> None:
+    guard = start_guard()
+    os.chmod(guard.socket, 0o666)  # even when the file lets it connect
+    for folder in (os.path.dirname(guard.socket), os.path.dirname(os.path.dirname(guard.socket))):
+        os.chmod(folder, 0o755)
+    code = textwrap.dedent("""
+        import os, socket, sys
+        os.setgid(4242)
+        os.setuid(4242)
+        peer = socket.socket(socket.AF_UNIX)
+        peer.connect(sys.argv[1])
+        peer.sendall(b'{"status": true}\\n')
+        try:
+            print(repr(peer.recv(100)))
+        except ConnectionResetError:
+            print("reset")
+    """)
+    out = subprocess.run([PYTHON, "-c", code, guard.socket], capture_output=True, text=True, timeout=30)
+    assert out.stdout.strip() in ("b''", "reset"), out  # closed without an answer
+    guard.proc.send_signal(signal.SIGTERM)
+    assert guard.proc.wait(10) == 0 and "refused a connection from uid 4242" in guard.stderr()
+
+
+def test_sigterm_drains_then_exits(stub: AgentServerStub, start_guard: Callable[..., Guard]) -> None:
+    guard = start_guard("--drain", "20")
+    trainer = guarded_trainer(stub, guard)
+    trainer.read("ARMED")
+    guard.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    assert guard.proc.poll() is None and not os.path.exists(guard.socket)  # draining, accepting no one
+    trainer.proc.kill()
+    killed = time.monotonic()
+    assert guard.proc.wait(10) == 0 and time.monotonic() - killed < 3.0
+    assert Counter(stub.flushed_ids()) == dict.fromkeys(IDS, 1)
+
+
+def test_the_drain_time_runs_out(stub: AgentServerStub, start_guard: Callable[..., Guard]) -> None:
+    guard = start_guard("--drain", "0.5")
+    trainer = guarded_trainer(stub, guard)
+    trainer.read("ARMED")
+    guard.proc.send_signal(signal.SIGTERM)
+    assert guard.proc.wait(10) == 0
+    assert f"left unguarded: trainers {trainer.proc.pid}" in guard.stderr() and stub.requests == []
+
+
+def test_ledger_guard_and_trainer_killed_then_recover(stub: AgentServerStub, start_guard: Callable[..., Guard],
+                                                      short_dir: Path) -> None:
+    ledger = short_dir / "ledger"
+    guard = start_guard("--ledger", str(ledger))
+    trainer = guarded_trainer(stub, guard)
+    trainer.read("ARMED")
+    [record] = records(ledger)
+    data = json.loads(record.read_text())
+    assert data["pid"] == trainer.proc.pid and data["watchdog_pid"] == guard.proc.pid
+    assert SECRET not in record.read_text()
+    assert recover(str(ledger), servers=stub.url, environ=ENV).results == ()  # alive: left alone
+    guard.proc.kill()  # the node agent and the trainer die together
+    guard.proc.wait()
+    trainer.proc.kill()
+    trainer.death()
+    report = recover(str(ledger), servers=stub.url, environ=ENV, until_idle=False)
+    assert report.ok and Counter(stub.flushed_ids()) == dict.fromkeys(IDS, 1) and records(ledger) == []
+
+
+def test_a_disarm_removes_the_guards_record(stub: AgentServerStub, start_guard: Callable[..., Guard],
+                                            short_dir: Path) -> None:
+    ledger = short_dir / "ledger"
+    guard = start_guard("--ledger", str(ledger))
+    trainer = guarded_trainer(stub, guard, """guard.disarm()
+        print("DISARMED", flush=True)
+        time.sleep(60)""")
+    trainer.read("DISARMED")
+    assert wait_until(lambda: records(ledger) == [], 2.0) and stub.requests == []
+
+
+def test_a_guard_started_on_a_ledger_recovers_it(stub: AgentServerStub, start_guard: Callable[..., Guard],
+                                                 short_dir: Path) -> None:
+    ledger = short_dir / "ledger"
+    ledger.mkdir(mode=0o700)
+    write_record(ledger, "dead", ["dead-a", "dead-b"], stub.url)  # a trainer lost with its node
+    guard = start_guard("--ledger", str(ledger), AGENT_SERVER_URL=stub.url, HARBOR_ADMIN_SECRET=SECRET)
+    assert wait_until(lambda: sorted(stub.flushed_ids()) == ["dead-a", "dead-b"], 10.0)
+    assert wait_until(lambda: records(ledger) == [], 2.0) and guard.proc.poll() is None
+
+
+def test_a_guard_with_no_server_says_it_cannot_recover(start_guard: Callable[..., Guard], short_dir: Path) -> None:
+    guard = start_guard("--ledger", str(short_dir / "ledger"))
+    time.sleep(0.5)
+    guard.proc.send_signal(signal.SIGTERM)
+    assert guard.proc.wait(10) == 0
+    assert guard.stderr().count("cannot recover the ledger") == 1
+
+
+def test_no_guard_is_an_error_not_a_fallback(stub: AgentServerStub, short_dir: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(watchdog_module, "ARM_TIMEOUT", 0.5)
+    args = argparse.Namespace(session_server_instance_id="x")
+    env = {"AGENT_SERVER_URL": stub.url}
+    with pytest.raises(FlushError, match=r"no guard answers at .*nobody\.sock"):
+        watchdog(args, environ=env, guard=str(short_dir / "nobody.sock"))
+    with pytest.raises(ConfigError, match="at most 107 bytes"):
+        watchdog(args, environ={**env, "SWE_FLUSH_GUARD": "/tmp/" + "x" * 120})
+    assert stub.requests == []
