@@ -33,7 +33,8 @@ class RecordedRequest:
         body: the raw body.
         connection: serial number of the TCP connection it came on (1 = first accepted).
         status: the status answered; None when the connection was dropped or hung.
-        at: ``time.monotonic()`` when it arrived.
+        at: ``time.monotonic()`` when it arrived (its body read), before any teardown or latency;
+            the request is listed once it has been answered.
     """
 
     method: str
@@ -84,6 +85,7 @@ class _Server(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _Server
+    arrived = 0.0  # when the request being handled arrived
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
@@ -299,11 +301,12 @@ class AgentServerStub:
             serial = self._sockets.get(id(handler.connection), (0, None))[0]
             self._requests.append(RecordedRequest(handler.command, handler.path, instance_id,
                                                   handler.headers.get("Authorization"), body, serial,
-                                                  status, time.monotonic()))
+                                                  status, handler.arrived))
 
     def _handle(self, handler: _Handler) -> None:
         length = int(handler.headers.get("Content-Length") or 0)
         body = handler.rfile.read(length) if length else b""
+        handler.arrived = time.monotonic()  # recorded once answered (after any teardown), timed from here
         if handler.path == "/trials":
             self._add_trials_over_http(handler, body)
             return

@@ -1,0 +1,124 @@
+"""``python -m benchmarks.guard [--reps N]``: what a ``swe-flush guard`` costs and how fast it flushes.
+
+A guard serves 100 trainers: 10 trainer processes each arm 10 watchdogs through it (one
+connection each, 2 ids each), against a stub agent server with a 0.2 s teardown in this process
+(so its request times and the kill share one clock). Measured: arming through the guard (in the
+trainer), the guard's RSS and CPU time while 100 trainers are connected and nobody dies, and,
+``--reps`` times, one trainer process SIGKILLed (10 trainers dying at once): the time from the
+kill to the first flush request of each of the 10 (median and worst). Writes ``benchmarks/guard.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from swe_flush_sync.testing import AgentServerStub
+
+RESULTS = Path(__file__).with_name("guard.md")
+PROCESSES = 10
+PER_PROCESS = 10
+TRAINER = """
+import sys, time
+from swe_flush_sync import watchdog
+arming = []
+guards = []
+for index in range(int(sys.argv[2])):
+    args = {"session_server_instance_ids": [f"{sys.argv[3]}-{index}-a", f"{sys.argv[3]}-{index}-b"]}
+    started = time.monotonic()
+    guards.append(watchdog(args, guard=sys.argv[1], deadline=10, until_idle=False))
+    arming.append(time.monotonic() - started)
+print(" ".join(map(str, arming)), flush=True)
+sys.stdin.read()
+"""
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat", "rb") as handle:
+        fields = handle.read().rpartition(b")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as handle:
+        return next(int(line.split()[1]) for line in handle if line.startswith("VmRSS:")) / 1024
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.guard", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=5, help="trainer processes killed one after another (max 10)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help=f"markdown output (default {RESULTS})")
+    ns = parser.parse_args(argv)
+    folder = tempfile.mkdtemp(prefix="sfg-bench-", dir="/tmp")
+    path = os.path.join(folder, "guard.sock")
+    processes: list[subprocess.Popen[str]] = []
+    guard = subprocess.Popen([sys.executable, "-m", "swe_flush_sync", "guard", "--socket", path],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert guard.stdout is not None and guard.stdout.readline().startswith("guarding ")
+        with AgentServerStub(teardown=0.2) as stub:
+            env = {**os.environ, "AGENT_SERVER_URL": stub.url}
+            arming: list[float] = []
+            for number in range(PROCESSES):
+                trainer = subprocess.Popen([sys.executable, "-c", TRAINER, path, str(PER_PROCESS), f"p{number}"],
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+                processes.append(trainer)
+                assert trainer.stdout is not None
+                arming += [float(value) for value in trainer.stdout.readline().split()]
+            time.sleep(1.0)
+            cpu_before = _cpu_seconds(guard.pid)
+            time.sleep(5.0)
+            idle_cpu = _cpu_seconds(guard.pid) - cpu_before
+            rss = _rss_mib(guard.pid)
+            firsts: list[float] = []
+            worsts: list[float] = []
+            for number in range(min(ns.reps, PROCESSES)):
+                stub.clear_requests()
+                killed = time.monotonic()
+                processes[number].kill()
+                processes[number].wait()
+                end = time.monotonic() + 5
+                while len(stub.requests) < 2 * PER_PROCESS and time.monotonic() < end:
+                    time.sleep(0.005)
+                first_per_trainer: dict[str, float] = {}
+                for request in stub.requests:
+                    trainer_key = (request.instance_id or "").rpartition("-")[0]
+                    first_per_trainer.setdefault(trainer_key, request.at - killed)
+                assert len(first_per_trainer) == PER_PROCESS, f"{len(first_per_trainer)} trainers flushed"
+                firsts.append(statistics.median(first_per_trainer.values()))
+                worsts.append(max(first_per_trainer.values()))
+                time.sleep(0.5)  # the 0.2 s teardowns end before the next kill
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+        guard.kill()
+        guard.wait()
+        shutil.rmtree(folder, ignore_errors=True)
+    lines = [f"# guard benchmark\n\nMachine: {os.cpu_count()} cores, Python {platform.python_version()}; "
+             f"{PROCESSES * PER_PROCESS} trainers ({PROCESSES} processes x {PER_PROCESS} connections, 2 ids each), "
+             f"stub with 0.2 s teardown in the measuring process (`python -m benchmarks.guard --reps {ns.reps}`).\n",
+             "| what | value | goal |", "|---|---|---|",
+             f"| arming through the guard (median / max of {len(arming)}) | {statistics.median(arming) * 1000:.1f} ms "
+             f"/ {max(arming) * 1000:.1f} ms | under 0.1 s |",
+             f"| guard RSS, 100 trainers connected | {rss:.1f} MiB | under 40 MB |",
+             f"| guard CPU over 5 s, 100 trainers, nobody dying | {idle_cpu * 1000:.0f} ms | none |",
+             f"| SIGKILL of 10 trainers at once to each one's first flush request (median of medians, "
+             f"{len(firsts)} kills) | {statistics.median(firsts) * 1000:.1f} ms | under 0.1 s |",
+             f"| the same, the slowest of the 10 (worst of {len(worsts)} kills) | {max(worsts) * 1000:.1f} ms | |"]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    ns.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
