@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEPS := setup.cfg setup.py pyproject.toml
 
-.PHONY: demo test lint matrix ray-deps sdist-test bench bench-quick clean
+.PHONY: demo test lint matrix ray-deps sdist-test docs dist bench bench-quick clean
 # The bin folders of every installed pyenv Python 3.10-3.13, put first on PATH for tox.
 PYENV_BINS := $(shell for v in $$(pyenv versions --bare 2>/dev/null | grep -E '^3\.1[0-3]\.[0-9]+$$'); do printf '%s:' "$$(pyenv prefix $$v)/bin"; done)
 
@@ -56,6 +56,36 @@ sdist-test: $(VENV)/.installed
 	$(BIN)/python -m build --sdist --outdir build/sdist-test .
 	tar -xzf build/sdist-test/*.tar.gz -C build/sdist-test
 	cd build/sdist-test/swe_flush_sync-* && ../../../$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# The documentation site (MkDocs + mkdocstrings), built strictly: a broken link, a missing page
+# or a reference to a name that no longer exists fails the build. The chart is copied in.
+$(VENV)/.installed-docs: $(VENV)/.installed
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,contract,docs]'
+	touch $@
+
+docs: $(VENV)/.installed-docs
+	mkdir -p docs/assets && cp benchmarks/results.png docs/assets/results.png
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+# The release check: sdist and wheel, twine's strict check, a long description with no relative
+# link or image, check-wheel-contents, then the wheel installed alone into a fresh virtualenv
+# and the suite run against it (from a folder holding the tests and docs but not the package).
+$(VENV)/.installed-release: $(VENV)/.installed
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,contract,release]'
+	touch $@
+
+dist: $(VENV)/.installed-release
+	rm -rf dist build/wheel-test
+	$(BIN)/python -m build --outdir dist .
+	$(BIN)/twine check --strict dist/*
+	$(BIN)/python .ci/check_long_description.py dist/*.whl
+	$(BIN)/check-wheel-contents dist/*.whl
+	$(PYTHON) -m venv build/wheel-test/venv
+	build/wheel-test/venv/bin/python -m pip install --quiet --disable-pip-version-check "$$(ls dist/*.whl)[test,contract]"
+	mkdir -p build/wheel-test/run
+	cp -r tests docs README.md CHANGELOG.md setup.cfg build/wheel-test/run/
+	cd build/wheel-test/run && ../venv/bin/python -c "import swe_flush_sync, sys; f = swe_flush_sync.__file__; print('testing', f); sys.exit('site-packages' not in f)"
+	cd build/wheel-test/run && ../venv/bin/python -m pytest -q -p no:cacheprovider
 
 bench: $(VENV)/.installed-bench
 	$(BIN)/python -m benchmarks --plot

@@ -77,8 +77,8 @@ def one_run(stub: AgentServerStub) -> dict[str, float]:
     trainer.stdout.close()
     arrivals = sorted(request.at for request in stub.requests)
     assert len(arrivals) == len(IDS), f"{len(arrivals)} flush requests, expected {len(IDS)}"
-    return {"arming_s": float(took), "refresh_s": float(refresh), "rss_mib": rss, "first_request_s": arrivals[0] - killed,
-            "last_request_s": arrivals[-1] - killed, "exit_s": exited}
+    return {"arming_s": float(took), "refresh_s": float(refresh), "rss_mib": rss,
+            "first_request_s": arrivals[0] - killed, "last_request_s": arrivals[-1] - killed, "exit_s": exited}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,129 @@
+"""The documentation's examples run, and the framework hook works the way the framework loads it.
+
+Every ```python block of README.md and docs/*.md runs here against the stub, in a fresh
+interpreter: a block defining ``test_*`` functions runs under pytest (the package's own
+fixtures), any other as a script with the trainer's names filled in (``args``, ``num_steps``,
+...). A block preceded by ``<!-- excerpt: why -->`` is not run (it needs Ray, say); the marker
+says so in the page's source.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import re
+import shutil
+import subprocess
+import tempfile
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from swe_flush_sync.testing import AgentServerStub
+
+from .conftest import PYTHON, REPO, SECRET, _watchdog_pids, read_until, spawn, subprocess_env
+
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+BLOCK = re.compile(r"(?P<before>(?:^[^\n]*\n){0,2})^```python\n(?P<code>.*?)^```$", re.MULTILINE | re.DOTALL)
+EXCERPT = re.compile(r"<!-- excerpt: [^>]+-->")
+GUARD_SOCKET = "/run/swe-flush/guard.sock"  # the placeholder the docs use; each run gets its own
+LEDGER = "/checkpoints/"
+
+PRELUDE = """
+import argparse, atexit, logging
+from swe_flush_sync import *
+from swe_flush_sync import _watchdog
+args = argparse.Namespace(session_server_instance_ids={8000: "doc-a", 8001: "doc-b"},
+                          session_server_instance_id="doc-c")
+num_steps = 2
+log = logging.getLogger("trainer")
+def collect_until_enough(args): return []
+def train_on(samples): pass
+def main(args): pass
+atexit.register(lambda: print("WATCHDOGS", *[guard.pid for guard in _watchdog._watchdogs if not guard.guard],
+                              flush=True))
+"""
+
+
+def examples() -> list[tuple[str, str, str | None]]:
+    """(id, code, why it is an excerpt or None) for every python block of the pages."""
+    found = []
+    for page in PAGES:
+        text = page.read_text()
+        for number, match in enumerate(BLOCK.finditer(text), 1):
+            excerpt = EXCERPT.search(match.group("before"))
+            found.append((f"{page.name}:{number}", match.group("code"), excerpt.group(0) if excerpt else None))
+    return found
+
+
+EXAMPLES = examples()
+
+
+def test_there_are_examples_and_few_excerpts() -> None:
+    assert len(EXAMPLES) >= 15
+    assert sum(why is not None for _, _, why in EXAMPLES) <= 2
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    folder = Path(tempfile.mkdtemp(prefix="sfd-", dir="/tmp"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.parametrize(("name", "code", "excerpt"), EXAMPLES, ids=[name for name, _, _ in EXAMPLES])
+def test_example_runs(name: str, code: str, excerpt: str | None, stub: AgentServerStub, short_dir: Path) -> None:
+    if excerpt is not None:
+        pytest.skip(f"{name} is marked as an excerpt: {excerpt}")
+    env = subprocess_env(AGENT_SERVER_URL=stub.url, HARBOR_ADMIN_SECRET=SECRET)
+    code = code.replace(LEDGER, f"{short_dir}/checkpoints/")
+    if GUARD_SOCKET in code:
+        socket_path = str(short_dir / "guard.sock")
+        code = code.replace(GUARD_SOCKET, socket_path)
+        guard = spawn([PYTHON, "-m", "swe_flush_sync", "guard", "--socket", socket_path], stdout=subprocess.PIPE,
+                      stderr=subprocess.PIPE, env=subprocess_env())
+        assert read_until(guard, lambda line: line.startswith("guarding "), []) is not None
+    if "def test_" in code:
+        script = short_dir / "test_example.py"
+        script.write_text("from swe_flush_sync import *  # a page's later examples go on from its first\n" + code)
+        run = subprocess.run([PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(script)],
+                             capture_output=True, text=True, env=env, timeout=120, cwd=short_dir)
+        assert run.returncode == 0 and " passed" in run.stdout, run.stdout + run.stderr
+        return
+    run = subprocess.run([PYTHON, "-c", PRELUDE + textwrap.dedent(code)], capture_output=True, text=True,
+                         env=env, timeout=120, cwd=short_dir)
+    for line in run.stdout.splitlines():
+        if line.startswith("WATCHDOGS"):
+            _watchdog_pids.extend(int(pid) for pid in line.split()[1:])
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "Traceback" not in run.stderr, run.stderr
+
+
+def test_the_framework_hook_as_the_framework_loads_it(stub: AgentServerStub, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent module named by --custom-agent-function-path, with the one line the docs give."""
+    module_file = tmp_path / "swe_agent_function.py"
+    module_file.write_text(textwrap.dedent("""
+        from swe_flush_sync import abort_async as abort
+
+
+        async def run(base_url, request_kwargs, **_):  # the agent function
+            raise AssertionError("not called by an abort")
+    """))
+    monkeypatch.setenv("AGENT_SERVER_URL", stub.url)
+    monkeypatch.setenv("HARBOR_ADMIN_SECRET", SECRET)
+    for instance_id in ("fw-a", "fw-b"):
+        stub.add_trials(instance_id, 2)
+    spec = importlib.util.spec_from_file_location("swe_agent_function", module_file)  # by its path
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    hook = getattr(module, "abort", None)
+    assert hook is not None and asyncio.iscoroutinefunction(hook)
+    args = argparse.Namespace(session_server_instance_ids={30000: "fw-a", 30001: "fw-b"},
+                              session_server_instance_id="fw-a")
+    report = asyncio.run(hook(args))
+    assert report.ok and report.cancelled == 4 and sorted(stub.flushed_ids()) == ["fw-a", "fw-b"]
