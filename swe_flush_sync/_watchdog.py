@@ -1,12 +1,13 @@
 """``watchdog``: a process that flushes the trainer's ids when the trainer dies, however it dies.
 
-The trainer side: starts the watchdog process (``_watchdog_process``) as a fresh interpreter,
-hands it the servers, ids and bearers over a pipe whose write end only the trainer holds, and
-hands them over again when they change (``refresh``; ``abort`` does it too). A forked child
-closes its copy of the write end at once, so it never hides the trainer's death. The signal and
-exit hooks disarm the watchdogs whose pairs they flushed, so each pair is flushed once.
+The trainer side: starts the watchdog process (``_watchdog_process``) as a fresh interpreter, or
+connects to a ``swe-flush guard`` outside the container; hands it the servers, ids and bearers
+over a pipe (or socket) only the trainer holds, and again when they change (``refresh``;
+``abort`` does it too, and re-arms one that ended). The watchdog confirms each state it holds
+whole. A forked child closes its copies at once, so it never hides the trainer's death. The exit
+hook, and a signal hook when the process dies of its signal, disarm the watchdogs whose pairs
+they flushed, so each pair is flushed once. No lock is held while user code runs.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -127,10 +128,10 @@ class Watchdog:
         self.ledger = ledger
         self.ledger_error: str | None = None
         self.pid = 0
-        self._control: _Fd | None = None  # write end of the control pipe: only this process holds it
-        self._ready: _Fd | None = None  # read end of the ready pipe: the watchdog's word, end-of-file at its end
+        self._control: _Fd | None = None  # write end of the control pipe (or the guard's socket): only we hold it
+        self._ready: _Fd | None = None  # read end of the ready pipe (or the socket): its word, end-of-file at its end
         self._inbox = b""  # a line of the watchdog's not read whole yet
-        self._outbox = bytearray()  # what is still to be written: at most the end of a cut line and one message
+        self._outbox = bytearray()  # what is still to be written: at most one message (after a cut line's end)
         self._cut = False  # what was written so far ends in the middle of a line
         self._payload = b""  # the state last queued
         self._seq = 0  # its number
