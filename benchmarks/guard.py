@@ -5,19 +5,28 @@ connection each, 2 ids each), against a stub agent server with a 0.2 s teardown 
 (so its request times and the kill share one clock). Measured: arming through the guard (in the
 trainer), the guard's RSS and CPU time while 100 trainers are connected and nobody dies, and,
 ``--reps`` times, one trainer process SIGKILLed (10 trainers dying at once): the time from the
-kill to the first flush request of each of the 10 (median and worst). Writes ``benchmarks/guard.md``.
+kill to the first flush request of each of the 10 (median and worst).
+
+Then the hostile rows, each against a fresh guard: 50 peers each sending a line just under the
+per-line bound (32 MiB) at once, and 1,100 idle connections to a guard whose descriptor limit is
+1,024; in each, one trainer is SIGKILLed in the middle of it (the time to its first flush
+request), and the guard's peak RSS and CPU are read from /proc. Writes ``benchmarks/guard.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
+import resource
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -47,9 +56,71 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-def _rss_mib(pid: int) -> float:
+def _rss_mib(pid: int, field: str = "VmRSS") -> float:
     with open(f"/proc/{pid}/status") as handle:
-        return next(int(line.split()[1]) for line in handle if line.startswith("VmRSS:")) / 1024
+        return next(int(line.split()[1]) for line in handle if line.startswith(field + ":")) / 1024
+
+
+LIMITED = "import resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024)); " \
+          "from swe_flush_sync._cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def _hostile(stub: AgentServerStub, folder: str, kind: str) -> tuple[float, float, float]:
+    """One hostile case (``long-lines`` or ``idle``) against a fresh guard: (ms from a trainer's SIGKILL
+    to its first flush request, the guard's peak RSS in MiB, the guard's CPU seconds over the case)."""
+    path = os.path.join(folder, f"{kind}.sock")
+    command = [sys.executable, "-c", LIMITED] if kind == "idle" else [sys.executable, "-m", "swe_flush_sync"]
+    guard = subprocess.Popen([*command, "guard", "--socket", path], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True)
+    trainer = None
+    peers: list[socket.socket] = []
+    try:
+        assert guard.stdout is not None and guard.stdout.readline().startswith("guarding ")
+        env = {**os.environ, "AGENT_SERVER_URL": stub.url}
+        trainer = subprocess.Popen([sys.executable, "-c", TRAINER, path, "1", f"hostile-{kind}"],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+        assert trainer.stdout is not None and trainer.stdout.readline()
+        cpu = _cpu_seconds(guard.pid)
+        senders = []
+        if kind == "idle":
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))  # ours, not the guard's
+            for _ in range(1100):
+                peer = socket.socket(socket.AF_UNIX)
+                peer.connect(path)
+                peers.append(peer)
+        else:
+            line = b"x" * ((32 << 20) - 1024)
+            peers = [socket.socket(socket.AF_UNIX) for _ in range(50)]
+            for peer in peers:
+                peer.connect(path)
+
+            def send(peer: socket.socket) -> None:
+                with contextlib.suppress(OSError):
+                    peer.sendall(line)
+
+            senders = [threading.Thread(target=send, args=(peer,)) for peer in peers]
+            for sender in senders:
+                sender.start()
+        stub.clear_requests()
+        killed = time.monotonic()
+        trainer.kill()
+        trainer.wait()
+        end = time.monotonic() + 30
+        while not stub.requests and time.monotonic() < end:
+            time.sleep(0.005)
+        first = (stub.requests[0].at - killed) * 1000 if stub.requests else float("nan")
+        for sender in senders:
+            sender.join(60)
+        return first, _rss_mib(guard.pid, "VmHWM"), _cpu_seconds(guard.pid) - cpu
+    finally:
+        for peer in peers:
+            peer.close()
+        if trainer is not None:
+            trainer.kill()
+            trainer.wait()
+        guard.kill()
+        guard.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                 firsts.append(statistics.median(first_per_trainer.values()))
                 worsts.append(max(first_per_trainer.values()))
                 time.sleep(0.5)  # the 0.2 s teardowns end before the next kill
+            hostile = {kind: _hostile(stub, folder, kind) for kind in ("long-lines", "idle")}
     finally:
         for process in processes:
             process.kill()
@@ -114,6 +186,13 @@ def main(argv: list[str] | None = None) -> int:
              f"| SIGKILL of 10 trainers at once to each one's first flush request (median of medians, "
              f"{len(firsts)} kills) | {statistics.median(firsts) * 1000:.1f} ms | under 0.1 s |",
              f"| the same, the slowest of the 10 (worst of {len(worsts)} kills) | {max(worsts) * 1000:.1f} ms | |"]
+    long_lines, idle = hostile["long-lines"], hostile["idle"]
+    lines += ["", "Hostile peers (one trainer SIGKILLed during each; 0.5.0 in the last column, from issue 34):", "",
+              "| case | death to first flush | guard peak RSS | guard CPU | 0.5.0 |", "|---|---|---|---|---|",
+              f"| 50 peers, each a line just under the 32 MiB bound | {long_lines[0]:.0f} ms | {long_lines[1]:.0f} MiB "
+              f"| {long_lines[2]:.1f} s | 4.5 s to flush, 3.2 GiB, 340 s CPU |",
+              f"| 1,100 idle connections, descriptor limit 1,024 | {idle[0]:.0f} ms | {idle[1]:.0f} MiB "
+              f"| {idle[2]:.1f} s | flush failed (EMFILE), loop at 71-94 % of a core |"]
     text = "\n".join(lines) + "\n"
     print(text)
     ns.out.write_text(text)

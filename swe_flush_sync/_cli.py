@@ -43,6 +43,7 @@ from ._resolve import (
 )
 from ._stub import AgentServerStub
 from ._text import shown
+from ._watchdog_process import DEFAULT_HEARTBEAT
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -56,7 +57,7 @@ USAGE = """swe-flush [--url URL]... [--id ID]... [--ids-json PATH|-] [--secret-f
        swe-flush recover DIR [--url URL]... [--secret-file PATH]
                              [--ca-bundle PATH] [--client-cert PATH [--client-key PATH]]
                              [--deadline S] [--workers N] [--retries N] [--json] [-q | -v]
-       swe-flush guard --socket PATH [--ledger DIR] [--drain SECONDS] [-v] | --socket PATH --status
+       swe-flush guard --socket PATH [--ledger DIR] [--drain S] [--heartbeat S] [-v] | --socket PATH --status
        swe-flush stub [--host H] [--port P] [--teardown S] [--max-concurrent N] [--secret-env VAR]"""
 EXIT_INTERRUPTED = 130
 _OPTION_FLAGS = {"servers": "--url", "max_workers": "--workers", "deadline": "--deadline", "retries": "--retries",
@@ -179,8 +180,12 @@ def _guard_parser() -> _Parser:
     parser.add_argument("--drain", type=float, default=DEFAULT_DRAIN, metavar="SECONDS",
                         help=f"after SIGTERM or SIGINT, watch the connected trainers this long (default "
                              f"{DEFAULT_DRAIN:g})")
+    parser.add_argument("--heartbeat", type=float, default=DEFAULT_HEARTBEAT, metavar="SECONDS",
+                        help=f"seconds between two rewrites of a trainer's ledger record (default "
+                             f"{DEFAULT_HEARTBEAT:g}); a record is stale after three")
     parser.add_argument("--status", action="store_true",
-                        help="print the guard's pid and how many trainers it holds; exit 1 when none answers")
+                        help="print the guard's pid and how many trainers it holds (and 'draining' while it "
+                             "drains); exit 1 when none answers")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log to stderr (-v: INFO, -vv: DEBUG)")
     return parser
 
@@ -191,12 +196,14 @@ def _run_guard(ns: argparse.Namespace) -> int:
         if answer is None:
             print(f"no guard answers at {shown(ns.socket)}")
             return EXIT_FAILED
-        print(f"guard pid {answer[0]}, {answer[1]} trainers")
+        print(f"guard pid {answer.pid}, {answer.trainers} trainers{', draining' if answer.draining else ''}")
         return EXIT_OK
     if not ns.drain >= 0:
         raise ConfigError("--drain must be a number of seconds, 0 or more")
+    if not 0.1 <= ns.heartbeat <= 3600:
+        raise ConfigError("--heartbeat must be a number of seconds from 0.1 to 3600")
     with _logging_to_stderr(_verbosity(ns.verbose)):
-        return run_guard(ns.socket, ns.ledger, ns.drain)
+        return run_guard(ns.socket, ns.ledger, ns.drain, ns.heartbeat)
 
 
 def _add_tls(parser: _Parser) -> None:

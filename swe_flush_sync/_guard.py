@@ -5,64 +5,244 @@ group OOM kill takes the cgroup) takes a local watchdog along. The guard runs wh
 container's death does not reach (a sidecar container, a node daemon) and listens on a Unix
 socket; each trainer connects (``watchdog(args, guard=PATH)``) and hands over its state like it
 would over the watchdog's pipe. One connection is one trainer: when it ends without a disarm,
-the guard flushes that trainer's last state on a thread of its own and goes on serving everyone
-else. It holds no secret of its own (each trainer hands over its bearers, kept in memory only).
+the guard flushes that trainer's last state on a thread of its own, retrying with backoff until
+every pair is flushed, and goes on serving everyone else. It holds no secret of its own (each
+trainer hands over its bearers, kept in memory only).
+
+The walls around it: exactly one guard per path (``flock`` on ``PATH.lock``, held for life);
+only this uid and root may connect (``SO_PEERCRED``); what one peer sends can end that peer's
+connection and nothing else (states are checked whole before ``held``, input is bounded per
+line and over all peers); descriptors are bounded (idle peers are dropped first, accepting
+pauses at EMFILE, some are kept for flushes); and nothing that can block (ledger files, stderr,
+flushes) runs on the loop's thread.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import errno
+import fcntl
+import functools
 import logging
 import os
+import re
+import resource
 import signal
 import socket
 import stat
-import struct
 import sys
 import threading
 import time
-from typing import Final
+from collections.abc import Callable
+from typing import Any, Final, NamedTuple
 
 from ._errors import ConfigError
-from ._ledger import recover
+from ._guard_client import PEERCRED
+from ._ledger import Place, Record, recover_with
+from ._options import FlushOptions, RecoverOptionKwargs
+from ._report import FlushReport
+from ._resolve import URL_ENV_VARS, normalize_instance_ids, normalize_server_urls, resolve_server_urls
 from ._text import shown
-from ._trust import directory_problem
+from ._trust import directory_problem, ownership_problem
 from ._watchdog import MAX_SOCKET_PATH
-from ._watchdog_process import STATUS, Channel, WatchLoop, _say
+from ._watchdog_process import (
+    DEFAULT_HEARTBEAT,
+    MAX_IDS,
+    STATUS,
+    Channel,
+    WatchLoop,
+    _say,
+    process_start_time,
+)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_DRAIN: Final = 30.0  # seconds: a pod's default termination grace period
 RECOVER_INTERVAL: Final = 10.0  # seconds between two recovers of the ledger's gone owners
+TAKEOVER_GRACE: Final = 5.0  # seconds a restarted guard waits for a predecessor's trainers to reconnect
 STATUS_TIMEOUT: Final = 2.0  # seconds ``--status`` waits for an answer
-_PEERCRED: Final = struct.Struct("3i")  # struct ucred: pid, uid, gid
+FD_RESERVE: Final = 256  # descriptors never given to peers: flushes, the ledger, stderr
+PAUSE: Final = 0.1  # seconds accepting pauses at EMFILE or when every peer holds a trainer
+RETRY_FIRST: Final = 1.0  # seconds before the first retry of a failed flush; doubled up to RETRY_MAX
+RETRY_MAX: Final = 60.0
+SAY_EVERY: Final = 60.0  # seconds between two lines about the same retrying flush or dropped peers
+MAX_QUEUED_LINES: Final = 1000  # stderr lines waiting for a stalled stderr; later ones are dropped
+# The options a trainer hands over: FlushOptions' fields but the bearer (sent as per-id tokens).
+_OPTION_KEYS: Final = frozenset(RecoverOptionKwargs.__optional_keys__) - {"admin_secret", "bearer"}
+_TOKEN: Final = re.compile(r"[0-9a-f]{32}")
 
 
 class GuardError(Exception):
     """The guard cannot start (its socket path is taken or unusable, a bad ledger); the message says why."""
 
 
-def _say_guard(line: str) -> None:
-    _say(f"swe-flush guard: {line}")
+class GuardStatus(NamedTuple):
+    """What a guard answers to ``--status``."""
+
+    pid: int
+    trainers: int
+    draining: bool
+
+
+class _Lines:
+    """The guard's stderr lines, written by a thread of their own: a stalled stderr never stops the loop."""
+
+    def __init__(self) -> None:
+        self._lines: collections.deque[str] = collections.deque()
+        self._ready = threading.Condition()
+        self._dropped = 0
+        threading.Thread(target=self._write, name="swe-flush-guard-stderr", daemon=True).start()
+
+    def say(self, line: str) -> None:
+        with self._ready:
+            if len(self._lines) >= MAX_QUEUED_LINES:
+                self._dropped += 1
+                return
+            self._lines.append(line)
+            self._ready.notify()
+
+    def _write(self) -> None:
+        while True:
+            with self._ready:
+                while not self._lines:
+                    self._ready.wait()
+                line = self._lines[0]
+                dropped, self._dropped = self._dropped, 0
+            if dropped:
+                _say(f"swe-flush guard: ({dropped} lines dropped: stderr was not read)")
+            _say(f"swe-flush guard: {line}")
+            with self._ready:
+                self._lines.popleft()
+                self._ready.notify_all()
+
+    def drain(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for the lines said so far to be written."""
+        give_up_at = time.monotonic() + timeout
+        with self._ready:
+            while self._lines and time.monotonic() < give_up_at:
+                self._ready.wait(give_up_at - time.monotonic())
+
+
+class _LedgerWriter:
+    """Record writes and removals, one at a time on a thread of their own (an fsync on a slow volume
+    delays no hand-over and no flush). A channel has at most one write waiting: it writes the
+    latest state when it runs."""
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self._jobs: collections.deque[tuple[Channel, Callable[[], None]]] = collections.deque()
+        self._running = False
+        self._ready = threading.Condition()
+        self._say = say
+        self._said: str | None = None
+        threading.Thread(target=self._run, name="swe-flush-guard-ledger", daemon=True).start()
+
+    def submit(self, channel: Channel, job: Callable[[], None]) -> None:
+        with self._ready:
+            if (channel, job) not in self._jobs:  # a write already waiting will write the latest state
+                self._jobs.append((channel, job))
+                self._ready.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                while not self._jobs:
+                    self._ready.wait()
+                _, job = self._jobs.popleft()
+                self._running = True
+            try:
+                job()
+            except OSError as exc:
+                error: str | None = exc.strerror or type(exc).__name__
+            else:
+                error = None
+            with self._ready:
+                self._running = False
+                self._ready.notify_all()
+            if error != self._said:  # once per kind of failure, and once when it works again
+                self._said = error
+                self._say(f"cannot write ledger records: {error}" if error else "ledger records are written again")
+
+    def drain(self, timeout: float) -> None:
+        give_up_at = time.monotonic() + timeout
+        with self._ready:
+            while (self._jobs or self._running) and time.monotonic() < give_up_at:
+                self._ready.wait(give_up_at - time.monotonic())
+
+
+def checked_state(state: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """A trainer's state, checked whole as a flush will use it, and the option keys dropped as unknown.
+
+    Raises:
+        ValueError: what is wrong (a ``ConfigError`` from the same checks a flush makes).
+    """
+    urls, ids, tokens, options = state.get("urls"), state.get("ids"), state.get("tokens"), state.get("options")
+    if not isinstance(urls, list) or not all(isinstance(url, str) for url in urls):
+        raise ValueError("urls must be a list of str")
+    if not isinstance(ids, list) or not all(isinstance(instance_id, str) for instance_id in ids):
+        raise ValueError("ids must be a list of str")
+    if len(ids) > MAX_IDS:
+        raise ValueError(f"more than {MAX_IDS} ids")
+    if tokens is not None and (not isinstance(tokens, dict)
+                               or not all(isinstance(token, str) for token in tokens.values())):
+        raise ValueError("tokens must be a map of str")
+    if options is None:
+        options = {}
+    if not isinstance(options, dict):
+        raise ValueError("options must be an object")
+    trainer = state.get("trainer")
+    if trainer is not None and (not isinstance(trainer, str) or not _TOKEN.fullmatch(trainer)):
+        raise ValueError("trainer must be 32 lowercase hex digits")
+    known = {key: value for key, value in options.items() if key in _OPTION_KEYS}
+    if isinstance(known.get("client_cert"), list):
+        known["client_cert"] = tuple(known["client_cert"])
+    FlushOptions(**known, linger=0.0)  # ConfigError (a ValueError) names the bad option
+    return ({"urls": list(normalize_server_urls(urls, "urls")) if urls else [],
+             "ids": list(normalize_instance_ids(ids)), "tokens": tokens, "options": known, "trainer": trainer},
+            sorted(str(key) for key in options if key not in _OPTION_KEYS))
+
+
+def raise_nofile_limit() -> int:
+    """Raise the soft ``RLIMIT_NOFILE`` to the hard limit (as systemd tells daemons to); the soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError):
+            return soft
+        return wanted
+    return soft
 
 
 class Guard:
-    """The listening socket, the trainers' channels and their flushes."""
+    """The listening socket, the trainers' channels, their records and their flushes."""
 
-    def __init__(self, path: str, ledger: str | None = None, drain: float = DEFAULT_DRAIN) -> None:
+    def __init__(self, path: str, ledger: str | None = None, drain: float = DEFAULT_DRAIN,
+                 heartbeat: float = DEFAULT_HEARTBEAT) -> None:
         self.path = path
         self.ledger = ledger
         self.drain = drain
+        self.heartbeat = heartbeat
         self.loop = WatchLoop(self._ended)
+        self.lines = _Lines()
+        self._writer = _LedgerWriter(self.lines.say) if ledger is not None else None
         self._listener: socket.socket | None = None
+        self._identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket file we bound
+        self._lock_fd: int | None = None
         self._flushes: list[threading.Thread] = []
+        self._started = time.monotonic()
         self._stopping_since: float | None = None
         self._stop = threading.Event()
         self._wake_read, self._wake_write = os.pipe()
+        self._paused_until: float | None = None
+        self.max_peers = 0
+        self._dropped_idle = 0
+        self._said_dropped_at = -SAY_EVERY
 
     # -- starting ------------------------------------------------------------------------
     def bind(self) -> None:
-        """Take the socket path (a stale one is replaced, a live guard's never) and listen, mode 0600."""
+        """Take the path (one guard per path, decided by a lock), replace a stale socket, listen (0600)."""
         if len(os.fsencode(self.path)) > MAX_SOCKET_PATH:
             raise GuardError(f"{shown(self.path)}: a Unix socket path is at most {MAX_SOCKET_PATH} bytes")
         folder = os.path.dirname(os.path.abspath(self.path))
@@ -70,28 +250,62 @@ class Guard:
             os.makedirs(folder, mode=0o700, exist_ok=True)
         except OSError as exc:
             raise GuardError(f"cannot create {shown(folder)}: {exc.strerror or exc}") from None
+        self._check_folder(folder)
         if self.ledger is not None:
             with contextlib.suppress(OSError):
                 os.makedirs(self.ledger, mode=0o700, exist_ok=True)
             problem = directory_problem(self.ledger)
             if problem is not None:
                 raise GuardError(f"--ledger: the directory {shown(self.ledger)} {problem}")
+        self._take_lock()
         self._take_path()
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         umask = os.umask(0o177)  # the socket file is made 0600: connecting needs write permission on it
         try:
             listener.bind(self.path)
+            info = os.lstat(self.path)
         except OSError as exc:
             listener.close()
             raise GuardError(f"cannot listen on {shown(self.path)}: {exc.strerror or exc}") from None
         finally:
             os.umask(umask)
+        self._identity = (info.st_dev, info.st_ino)
         os.chmod(self.path, 0o600)
         listener.listen(128)
         listener.setblocking(False)
         self._listener = listener
+        self.max_peers = max(raise_nofile_limit() - FD_RESERVE, 16)
         self.loop.watch(listener.fileno(), self._accept)
         self.loop.watch(self._wake_read, self._woken)
+
+    def _check_folder(self, folder: str) -> None:
+        """Refuse a folder another (non-root) user owns; warn when others may write it without the sticky bit."""
+        info = os.stat(folder)
+        if info.st_uid not in (os.geteuid(), 0):
+            raise GuardError(f"the socket's folder {shown(folder)} is owned by uid {info.st_uid}: that user could "
+                             "replace the socket; use a folder owned by this user or root")
+        if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
+            self.lines.say(f"warning: others may write {shown(folder)} (mode {stat.S_IMODE(info.st_mode):04o}, no "
+                           "sticky bit): they could replace the socket; trainers check who listens before they "
+                           "send anything")
+
+    def _take_lock(self) -> None:
+        """``flock`` on ``PATH.lock`` for the guard's life: the second guard on a path exits, however busy the first."""
+        lock_path = self.path + ".lock"
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise GuardError(f"cannot open the lock {shown(lock_path)}: {exc.strerror or exc}") from None
+        problem = ownership_problem(os.fstat(fd))
+        if problem is not None:
+            os.close(fd)
+            raise GuardError(f"the lock {shown(lock_path)} {problem}")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise GuardError(f"a guard is already serving {shown(self.path)}") from None
+        self._lock_fd = fd
 
     def _take_path(self) -> None:
         try:
@@ -100,25 +314,88 @@ class Guard:
             return
         if not stat.S_ISSOCK(info.st_mode):
             raise GuardError(f"{shown(self.path)} exists and is not a socket")
-        if guard_status(self.path) is not None:
+        if guard_status(self.path) is not None:  # a guard of a version that took no lock
             raise GuardError(f"a guard is already serving {shown(self.path)}")
-        os.unlink(self.path)  # a stale socket, left by a guard that died
+        try:
+            os.unlink(self.path)  # a stale socket, left by a guard that died
+        except OSError as exc:
+            raise GuardError(f"cannot remove the stale socket {shown(self.path)} (owned by uid {info.st_uid}): "
+                             f"{exc.strerror or exc}; remove it as that user, or run the guard as that user") \
+                from None
 
     # -- serving -------------------------------------------------------------------------
     def _accept(self) -> None:
-        assert self._listener is not None
+        for _ in range(64):  # a batch, then the others get their turn
+            if self._listener is None:
+                return
+            try:
+                conn, _ = self._listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    self._pause()  # no spinning on a listener that stays readable
+                return
+            self._admit(conn)
+
+    def _admit(self, conn: socket.socket) -> None:
         try:
-            conn, _ = self._listener.accept()
+            pid, uid, _ = PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size))
         except OSError:
-            return
-        pid, uid, _ = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-        if uid not in (os.geteuid(), 0):
-            _say_guard(f"refused a connection from uid {uid} (pid {pid}): only uid {os.geteuid()} and root may connect")
             conn.close()
+            return
+        if uid not in (os.geteuid(), 0):
+            self.lines.say(f"refused a connection from uid {uid} (pid {pid}): only uid {os.geteuid()} and root may "
+                           "connect")
+            conn.close()
+            return
+        if len(self.loop.channels) >= self.max_peers and not self._drop_idle():
+            conn.close()  # every peer holds a trainer: take no more until one ends
+            self._pause()
             return
         fd = conn.detach()
         os.set_blocking(fd, False)
-        self.loop.add(Channel(fd, fd, pid, strict=True, ledger=self.ledger, status=self.trainers))
+        self.loop.add(Channel(fd, fd, pid, strict=True, ledger=self.ledger, heartbeat=self.heartbeat,
+                              check=functools.partial(self._checked, pid=pid, said=[]), status=self._status,
+                              ledger_io=self._writer.submit if self._writer is not None else None))
+
+    def _drop_idle(self) -> bool:
+        """End the oldest connection that has handed no state over; False when every peer holds a trainer."""
+        for channel in self.loop.channels:
+            if channel.state is None:
+                self.loop.end(channel)
+                self._dropped_idle += 1
+                if time.monotonic() - self._said_dropped_at >= SAY_EVERY:
+                    self._said_dropped_at = time.monotonic()
+                    self.lines.say(f"{self._dropped_idle} idle connection(s) dropped: the peer limit "
+                                   f"({self.max_peers}) was reached")
+                    self._dropped_idle = 0
+                return True
+        return False
+
+    def _pause(self) -> None:
+        if self._listener is not None and self._paused_until is None:
+            self.loop.unwatch(self._listener.fileno())
+            self._paused_until = time.monotonic() + PAUSE
+
+    def _resume(self) -> None:
+        if self._paused_until is not None and time.monotonic() >= self._paused_until:
+            self._paused_until = None
+            if self._listener is not None:
+                self.loop.watch(self._listener.fileno(), self._accept)
+
+    def _checked(self, state: dict[str, Any], pid: int, said: list[str]) -> dict[str, Any]:
+        if self._stopping_since is not None:
+            raise ValueError("the guard is stopping (draining); arm against the next one")
+        state, dropped = checked_state(state)
+        if dropped and not said:  # once per connection
+            said.append("options")
+            self.lines.say(f"trainer pid {pid} sent options this guard does not know, dropped: "
+                           f"{shown(', '.join(dropped))} (upgrade the guard)")
+        return state
+
+    def _status(self) -> bytes:
+        return b"%d%s" % (self.trainers(), b" draining" if self._stopping_since is not None else b"")
 
     def trainers(self) -> int:
         """How many trainers it holds (connections that handed a state over)."""
@@ -128,7 +405,7 @@ class Guard:
         with contextlib.suppress(OSError):
             os.close(channel.read_fd)
         if channel.error is not None:
-            _say_guard(f"dropped the connection of pid {channel.trainer_pid}: it sent {channel.error}")
+            self.lines.say(f"dropped the connection of pid {channel.trainer_pid}: it sent {channel.error}")
             channel.settle(None)
         elif channel.disarmed or channel.state is None:
             channel.settle(None)
@@ -137,82 +414,133 @@ class Guard:
             flusher.start()
             self._flushes.append(flusher)
 
-    @staticmethod
-    def _flush(channel: Channel) -> None:
-        """One trainer's flush, on a thread of its own: a slow one never delays another's."""
-        try:
-            report = channel.flush()
-        except ConfigError as exc:  # e.g. a CA bundle path that only exists in the trainer's container
-            _say_guard(f"trainer pid {channel.trainer_pid} gone; not flushed: {exc}")
-            return
-        except Exception as exc:  # noqa: BLE001 - one trainer's failure must not stop the guard
-            _say_guard(f"trainer pid {channel.trainer_pid} gone; the flush failed: {type(exc).__name__}")
-            return
-        channel.settle(report)
-        if report is not None:
-            _say_guard(f"trainer pid {channel.trainer_pid} gone; {report.summary()}")
+    def _flush(self, channel: Channel) -> None:
+        """One trainer's flush, on a thread of its own, retried with backoff until every pair is
+        flushed (``/flush`` is idempotent); meanwhile its record says the trainer is gone."""
+        who = f"trainer pid {channel.trainer_pid}"
+        pairs: dict[str, tuple[str, ...]] | None = None  # None: all of them
+        delay, said_at, attempt = RETRY_FIRST, -SAY_EVERY, 0
+        while True:
+            attempt += 1
+            try:
+                report = channel.flush(pairs)
+            except Exception as exc:  # noqa: BLE001 - one trainer's failure must not stop the guard
+                report, why = None, f"the flush failed: {type(exc).__name__}"
+            else:
+                if report is None or report.ok:
+                    channel.settle(report)
+                    if report is not None:
+                        again = f" (attempt {attempt})" if attempt > 1 else ""
+                        self.lines.say(f"{who} gone; {report.summary()}{again}")
+                    return
+                pairs = _failed_pairs(report)
+                why = report.summary()
+            if attempt == 1:
+                channel.mark_gone()
+            if time.monotonic() - said_at >= SAY_EVERY:
+                said_at = time.monotonic()
+                self.lines.say(f"{who} gone; {why}; retrying every {delay:g}-{RETRY_MAX:g} s until it is flushed")
+            time.sleep(delay)
+            delay = min(delay * 2, RETRY_MAX)
 
     def _woken(self) -> None:
         with contextlib.suppress(OSError):
             os.read(self._wake_read, 512)
         if self._stop.is_set() and self._stopping_since is None:
             self._stopping_since = time.monotonic()
-            self._close_listener()
 
     def stop(self) -> None:
-        """Stop accepting (from a signal handler too); the connected trainers are watched for ``drain`` s."""
+        """Stop taking trainers (from a signal handler too); the connected ones are watched for ``drain`` s."""
         self._stop.set()
         with contextlib.suppress(OSError):
             os.write(self._wake_write, b"x")
 
-    def _close_listener(self) -> None:
+    def close(self) -> None:
+        """Stop listening; remove the socket path only while it is still ours; release the lock."""
         if self._listener is not None:
             self.loop.unwatch(self._listener.fileno())
             self._listener.close()
             self._listener = None
             with contextlib.suppress(OSError):
-                os.unlink(self.path)
+                info = os.lstat(self.path)
+                if (info.st_dev, info.st_ino) == self._identity:
+                    os.unlink(self.path)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        if self._writer is not None:
+            self._writer.drain(1.0)
+        self.lines.drain(1.0)
 
     def serve(self) -> int:
         """Serve until ``stop()``; then drain. 0 when it ended on its own terms."""
-        recoverer = None
         if self.ledger is not None:
-            recoverer = threading.Thread(target=self._recover_every_interval, name="swe-flush-guard-recover",
-                                         daemon=True)
-            recoverer.start()
-        while True:
-            timeout = None
-            if self._stopping_since is not None:
-                self._flushes = [flusher for flusher in self._flushes if flusher.is_alive()]
-                held = [channel for channel in self.loop.channels if channel.state is not None]
-                if not held and not self._flushes:
-                    return 0
-                timeout = self._stopping_since + self.drain - time.monotonic()
-                if timeout <= 0:
-                    pids = ", ".join(str(channel.trainer_pid) for channel in held) or "none"
-                    _say_guard(f"drain time ({self.drain:g} s) is up; left unguarded: trainers {pids}"
-                               f"{'; flushes still running' if self._flushes else ''}")
-                    return 0
-                timeout = min(timeout, 0.1)  # also notice flushes that end
-            self.loop.run_once(timeout)
+            threading.Thread(target=self._recover_every_interval, name="swe-flush-guard-recover", daemon=True).start()
+        try:
+            while True:
+                timeout = None if self._paused_until is None else PAUSE
+                if self._stopping_since is not None:
+                    self._flushes = [flusher for flusher in self._flushes if flusher.is_alive()]
+                    held = [channel for channel in self.loop.channels if channel.state is not None]
+                    if not held and not self._flushes:
+                        return 0
+                    left = self._stopping_since + self.drain - time.monotonic()
+                    if left <= 0:
+                        pids = ", ".join(str(channel.trainer_pid) for channel in held) or "none"
+                        self.lines.say(f"drain time ({self.drain:g} s) is up; left unguarded: trainers {pids}"
+                                       f"{'; flushes still running' if self._flushes else ''}")
+                        return 0
+                    timeout = min(left, 0.1)  # also notice flushes that end
+                self.loop.run_once(timeout)
+                self._resume()
+        finally:
+            self.close()
 
+    # -- the ledger ----------------------------------------------------------------------
     def _recover_every_interval(self) -> None:
-        """Recover the ledger's records whose owners are gone: at start and then every interval."""
-        said_no_server = False
+        """Recover the ledger's records whose owners are gone: first after the takeover grace (the
+        trainers of a guard that restarted reconnect meanwhile), then every interval."""
+        said_no_server = not resolve_server_urls(os.environ)
+        if said_no_server:  # said at once, not after the grace
+            self.lines.say(f"cannot recover the ledger: no agent server named ({' and '.join(URL_ENV_VARS)} unset); "
+                           "guarding goes on")
+        self._stop.wait(TAKEOVER_GRACE)
+        options = FlushOptions(until_idle=True, linger=0.0)
         while not self._stop.is_set():
             try:
-                recover(self.ledger or "", environ=os.environ)
+                recover_with(self.ledger or "", None, os.environ, options, judge=self._judge)
             except ConfigError as exc:
                 if not said_no_server:
                     said_no_server = True
-                    _say_guard(f"cannot recover the ledger: {exc}; guarding goes on")
+                    self.lines.say(f"cannot recover the ledger: {exc}; guarding goes on")
             except Exception as exc:  # noqa: BLE001 - a recover that fails must not stop the guard
-                _say_guard(f"recovering the ledger failed: {type(exc).__name__}")
+                self.lines.say(f"recovering the ledger failed: {type(exc).__name__}")
             self._stop.wait(RECOVER_INTERVAL)
 
+    def _judge(self, record: Record, gone: bool) -> bool:
+        """A predecessor's record (its guard gone, here) whose trainer has not reconnected within the
+        grace is gone, whatever its heartbeat says; a trainer connected to this guard never is."""
+        if record.trainer is not None and record.trainer in {channel.token for channel in list(self.loop.channels)}:
+            return False
+        if gone:
+            return True
+        predecessor = (record.trainer is not None and record.watchdog_pid != os.getpid()
+                       and record.place == Place.here()
+                       and process_start_time(record.watchdog_pid or 0) != record.watchdog_start_time)
+        return predecessor and time.monotonic() - self._started >= TAKEOVER_GRACE
 
-def guard_status(path: str) -> tuple[int, int] | None:
-    """The (pid, trainers held) of the guard serving ``path``; None when no guard answers."""
+
+def _failed_pairs(report: FlushReport) -> dict[str, tuple[str, ...]]:
+    """Server -> the ids whose flush did not succeed."""
+    failed: dict[str, list[str]] = {}
+    for result in report.results:
+        if not result.ok:
+            failed.setdefault(result.server_url, []).append(result.instance_id)
+    return {url: tuple(ids) for url, ids in failed.items()}
+
+
+def guard_status(path: str) -> GuardStatus | None:
+    """What the guard serving ``path`` says of itself; None when no guard answers."""
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
             probe.settimeout(STATUS_TIMEOUT)
@@ -226,19 +554,22 @@ def guard_status(path: str) -> tuple[int, int] | None:
                 answer += chunk
     except OSError:
         return None
-    word, *numbers = answer.split()
+    word, *rest = answer.split()
+    draining = rest[-1:] == [b"draining"]
+    numbers = rest[:-1] if draining else rest
     if word != STATUS or len(numbers) != 2 or not all(number.isdigit() for number in numbers):
         return None
-    return int(numbers[0]), int(numbers[1])
+    return GuardStatus(int(numbers[0]), int(numbers[1]), draining)
 
 
-def run_guard(path: str, ledger: str | None, drain: float) -> int:
+def run_guard(path: str, ledger: str | None, drain: float, heartbeat: float = DEFAULT_HEARTBEAT) -> int:
     """``swe-flush guard``: bind, say ``guarding PATH``, serve until SIGTERM or SIGINT, drain; the exit code."""
-    guard = Guard(path, ledger, drain)
+    guard = Guard(path, ledger, drain, heartbeat)
     try:
         guard.bind()
     except GuardError as exc:
         print(f"swe-flush guard: error: {exc}", file=sys.stderr)
+        guard.close()
         return 2
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda signum, frame: guard.stop())

@@ -16,7 +16,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
@@ -55,7 +55,6 @@ log = logging.getLogger(__name__)
 
 CLAIM_MARK: Final = ".claim-"  # <record>.json.claim-<host>.<pid>.<start>: being recovered
 BAD_SUFFIX: Final = ".bad"
-MAX_ID_LENGTH: Final = 1024
 STALE_HEARTBEATS: Final = 3  # an owner elsewhere is gone when its heartbeat is older than this many intervals
 STALE_CLAIM: Final = 600.0  # seconds after which a claim made on another host is taken over
 
@@ -103,12 +102,24 @@ class Record:
     heartbeat: float
     heartbeat_interval: float
     set_aside: str | None = None
+    trainer: str | None = None  # the trainer's token (a guard's record), None for a watchdog's
+    gone: bool = False  # its keeper saw the trainer die and has not flushed it yet
 
     def owner_gone(self, here: Place, now: float) -> bool:
-        """In this host, boot and PID namespace: the trainer is dead (or a zombie, or another process)
-        and its watchdog is not alive to flush; anywhere else: the heartbeat is stale."""
+        """Marked gone by its keeper; or, in this host, boot and PID namespace, its watchdog (or guard)
+        is not alive to flush and the trainer is dead (or a zombie, or another process); anywhere
+        else, or when the trainer's pid meant nothing to its guard, the heartbeat is stale."""
+        if self.gone:
+            return True
         if here.boot_id is not None and here.pid_ns is not None and self.place == here:
-            return not _alive(self.pid, self.start_time) and not _alive(self.watchdog_pid, self.watchdog_start_time)
+            if _alive(self.watchdog_pid, self.watchdog_start_time):
+                return False
+            if self.start_time is not None:
+                return not _alive(self.pid, self.start_time)
+        return self.stale(now)
+
+    def stale(self, now: float) -> bool:
+        """Is its heartbeat older than ``STALE_HEARTBEATS`` intervals?"""
         return now - self.heartbeat > STALE_HEARTBEATS * self.heartbeat_interval
 
 
@@ -149,7 +160,9 @@ def read_record(path: str) -> Record:
     except ConfigError as exc:
         raise BadRecord(str(exc)) from None
     optional_int = (int, type(None))
-    return Record(urls=urls, ids=ids,
+    trainer = raw.get("trainer")
+    return Record(urls=urls, ids=ids, trainer=trainer if isinstance(trainer, str) else None,
+                  gone=raw.get("gone") is True,
                   place=Place(_field(raw, "host", str), _field(raw, "boot_id", (str, type(None))),
                               raw.get("pid_ns") if isinstance(raw.get("pid_ns"), int) else None),
                   pid=_field(raw, "pid", int), start_time=_field(raw, "start_time", optional_int),
@@ -157,24 +170,20 @@ def read_record(path: str) -> Record:
                   watchdog_start_time=_field(raw, "watchdog_start_time", optional_int),
                   heartbeat=float(_field(raw, "heartbeat", (int, float))),
                   heartbeat_interval=float(_field(raw, "heartbeat_interval", (int, float))),
-                  set_aside=f"{invalid} of its ids set aside (not text, blank, or longer than {MAX_ID_LENGTH} "
-                            "characters)" if invalid else None)
+                  set_aside=f"{invalid} of its ids set aside (not text)" if invalid else None)
 
 
 def _valid_ids(values: list[Any]) -> tuple[tuple[str, ...], int]:
-    """The ids a flush may take, deduplicated, and how many values were not such ids."""
+    """The ids a flush may take, deduplicated, and how many values were not ids. One rule for what
+    an id is (``normalize_instance_ids``: a non-empty str; blanks are skipped), as ``abort``, the
+    watchdog and the guard apply it."""
     ids: dict[str, None] = {}
     invalid = 0
     for value in values:
         try:
-            [instance_id] = normalize_instance_ids([value])
-        except (ConfigError, ValueError):
+            ids.update(dict.fromkeys(normalize_instance_ids([value])))
+        except ConfigError:
             invalid += 1
-            continue
-        if len(instance_id) > MAX_ID_LENGTH:
-            invalid += 1
-        else:
-            ids[instance_id] = None
     return tuple(ids), invalid
 
 
@@ -201,12 +210,17 @@ def _claim_owner_gone(name: str, here: Place, now: float, path: str) -> bool:
         return False
 
 
+Judge = Callable[[Record, bool], bool]
+"""Given a record and whether ``owner_gone`` says its owner is gone: may it be flushed? (a guard's rule)"""
+
+
 class _Ledger:
     """The ledger directory as this ``recover`` sees it, and the servers it may send a bearer to."""
 
-    def __init__(self, folder: str, servers: tuple[str, ...]) -> None:
+    def __init__(self, folder: str, servers: tuple[str, ...], judge: Judge | None = None) -> None:
         self.folder = folder
         self.servers = frozenset(servers)
+        self.judge = judge
         self.here = Place.here()
         started = process_start_time(os.getpid()) or 0
         self.claim = f"{CLAIM_MARK}{self.here.host}.{self.here.pid_ns}.{os.getpid()}.{started}"
@@ -231,7 +245,7 @@ class _Ledger:
             else:
                 continue
             record = self._usable(path)
-            if record is None or (CLAIM_MARK not in name and not record.owner_gone(self.here, now)):
+            if record is None or (CLAIM_MARK not in name and not self._gone(record, now)):
                 continue  # unusable, or a live trainer's record: left alone
             mine = os.path.join(self.folder, original + self.claim)
             try:
@@ -245,6 +259,10 @@ class _Ledger:
                 with contextlib.suppress(OSError):
                     os.rename(mine, os.path.join(self.folder, original))
         return claimed
+
+    def _gone(self, record: Record, now: float) -> bool:
+        gone = record.owner_gone(self.here, now)
+        return gone if self.judge is None else self.judge(record, gone)
 
     def _usable(self, path: str) -> Record | None:
         """The record at ``path`` if it may be flushed by this ``recover``; else None, said once."""
@@ -309,16 +327,18 @@ def recover(ledger: str, *, servers: str | Iterable[str] | None = None, environ:
     writable by no one else, as must each record (OpenSSH's StrictModes rules); a record that
     fails them is left alone with a warning.
 
-    An owner is gone when, in this host, boot and PID namespace, its trainer is dead (a zombie
-    not yet reaped counts as dead) and its watchdog is not alive to flush it; anywhere else (another
-    host, another container on this host), when its heartbeat is older than three intervals (30 s
-    by default). Records of live owners are left alone. The pairs of every gone record are flushed
+    An owner is gone when its keeper (a guard whose flush failed) marked it so; when, in this host,
+    boot and PID namespace, its trainer is dead (a zombie not yet reaped counts as dead) and its
+    watchdog or guard is not alive to flush it; anywhere else (another host, another container on
+    this host), or when its guard could not see the trainer's pid (a sibling PID namespace), when
+    its heartbeat is older than three intervals (30 s by default). Records of live owners are left
+    alone. The pairs of every gone record are flushed
     in one parallel call (until idle by default); a record whose pairs all flushed is removed, the
     others stay for the next ``recover``. Two recovers at once never flush the same record (each
     claims a record by renaming it). A record that cannot be read is moved aside to ``*.bad``
-    with one warning naming the file; ids in a record that no flush can take (not text, blank, or
-    longer than 1,024 characters) are set aside the same way after its other ids flushed, and
-    said in ``report.error``.
+    with one warning naming the file; values in a record's ids that are not ids (not text) are set
+    aside the same way after its other ids flushed, and said in ``report.error``. Every id
+    ``abort`` would flush is taken (one rule for what an id is).
 
     Args:
         ledger: the ledger directory. Missing or empty: nothing to do.
@@ -340,10 +360,15 @@ def recover(ledger: str, *, servers: str | Iterable[str] | None = None, environ:
     Example:
         >>> recover("/checkpoints/swe-flush-ledger", servers="http://agent:8000").ok  # doctest: +SKIP
     """
+    options.setdefault("until_idle", True)
+    return recover_with(ledger, servers, environ, FlushOptions(**options, linger=0.0))
+
+
+def recover_with(ledger: str, servers: str | Iterable[str] | None, environ: Mapping[str, str] | None,
+                 flush_options: FlushOptions, judge: Judge | None = None) -> FlushReport:
+    """``recover`` with its options built, and ``judge`` deciding which records are gone (a guard's)."""
     if not isinstance(ledger, str) or not ledger.strip() or "\0" in ledger:
         raise ConfigError("ledger must be a directory path (a non-empty str)")
-    options.setdefault("until_idle", True)
-    flush_options = FlushOptions(**options, linger=0.0)
     env = os.environ if environ is None else environ
     urls = normalize_server_urls(servers, "servers") if servers is not None else resolve_server_urls(env)
     if not urls:
@@ -358,7 +383,7 @@ def recover(ledger: str, *, servers: str | Iterable[str] | None = None, environ:
                                    error=f"the ledger directory {shown(ledger)} {problem}: nothing in it was "
                                          "flushed or moved"))
     try:
-        book = _Ledger(ledger, urls)
+        book = _Ledger(ledger, urls, judge)
         claimed = book.candidates(time.time())
     except OSError as exc:
         return _logged(FlushReport(elapsed=time.monotonic() - started,

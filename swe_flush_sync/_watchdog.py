@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import logging
 import os
+import secrets
 import select
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from . import _watchdog_process
 from ._errors import ConfigError, FlushError
+from ._guard_client import ImpostorError, connect_to_guard
 from ._options import FlushOptions
 from ._resolve import URL_ENV_VARS, resolve_bearer, resolve_instance_ids, resolve_server_urls
 from ._text import shown
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LEDGER_ENV_VAR: Final = "SWE_FLUSH_LEDGER"
-DEFAULT_HEARTBEAT: Final = 10.0  # seconds between two heartbeats of a ledger record
+DEFAULT_HEARTBEAT: Final = _watchdog_process.DEFAULT_HEARTBEAT  # seconds between two heartbeats of a record
 ARM_TIMEOUT: Final = 10.0  # seconds arming waits for the watchdog to say it holds the ids
 SEND_TIMEOUT: Final = 0.5  # seconds a hand-over may wait for room in the pipe and the watchdog's word
 REARM_INTERVAL: Final = 60.0  # seconds between two attempts of abort() to re-arm a watchdog that failed to start
@@ -50,7 +50,8 @@ _DISARM: Final = b'{"disarm": true}\n'
 _END_CUT_LINE: Final = _watchdog_process.CANCEL + b"\n"
 GUARD_ENV_VAR: Final = "SWE_FLUSH_GUARD"
 MAX_SOCKET_PATH: Final = 107  # bytes in sockaddr_un's sun_path, less its NUL
-RECONNECT_INTERVAL: Final = 1.0  # seconds between two attempts to reach a guard that went away
+RECONNECT_INTERVAL: Final = 0.1  # seconds between two attempts to reach a guard that went away
+FOLLOW_INTERVAL: Final = 0.5  # seconds the guard's follower thread waits for its word before it looks again
 
 # Held only around non-blocking pipe I/O, never while user code (args getters, bearer providers,
 # logging) runs, so a signal hook never waits on it for long. Re-entrant: a signal hook may run
@@ -131,6 +132,13 @@ class Watchdog:
         self._control: _Fd | None = None  # write end of the control pipe (or the guard's socket): only we hold it
         self._ready: _Fd | None = None  # read end of the ready pipe (or the socket): its word, end-of-file at its end
         self._inbox = b""  # a line of the watchdog's not read whole yet
+        self._token = secrets.token_hex(16)  # names this trainer to a guard across reconnects and restarts
+        self._guard_protocol = _watchdog_process.PROTOCOL  # what the guard said in its last "held"
+        self._refused: str | None = None  # why the guard refused the state last queued
+        self._refused_payload = b""  # ... and that state
+        self._reconnecting = threading.Lock()  # one reconnect at a time (the follower thread, refresh, abort)
+        self._following: threading.Event | None = None  # set to end the follower thread (guards only)
+        self._said: set[str] = set()  # warnings of the follower thread said once
         self._outbox = bytearray()  # what is still to be written: at most one message (after a cut line's end)
         self._cut = False  # what was written so far ends in the middle of a line
         self._payload = b""  # the state last queued
@@ -141,7 +149,6 @@ class Watchdog:
         self._disarmed = False
         self._lost = False
         self._rearm_after = 0.0
-        self._said_unreachable = False
 
     @property
     def armed(self) -> bool:
@@ -161,14 +168,16 @@ class Watchdog:
 
         Raises:
             ConfigError: ``args`` or the environment holds a bad value.
+            FlushError: the guard refused this state (the message says why).
         """
         payload, pairs = self._state()  # user code: no lock held
         written, held = self._written, self._held
         if self.guard is not None and not self._disarmed:
+            self._refuse_if_refused(payload)
             with _lock:
                 alive = not self._lost and self._talk()
             if not alive:
-                self._rearm()  # the guard went away (a sidecar restarted): reconnect, at most once a second
+                self._reconnect(SEND_TIMEOUT)  # the guard went away (a sidecar restarted)
         with _lock:
             if not self._talk():
                 return False
@@ -177,9 +186,28 @@ class Watchdog:
                 self._queue(payload, pairs)
             elif caught_up:
                 return self._held > held  # confirmed just now, else nothing new
-            reading = self._talk() and (caught_up or self._written > written or self._held > held)
-        # Wait only for a watchdog that reads: a stopped one costs each step nothing after the first.
-        return self._confirm(SEND_TIMEOUT if reading else 0.0)
+            # Wait only for a watchdog that reads (it confirmed its last state, or one since the last
+            # call, or took more of a long one) and is not stopped: a stopped one costs each step
+            # nothing (its pipe buffer taking a write is not a sign that it reads).
+            reading = (caught_up or self._written > written or self._held > held) and not self._stopped()
+        confirmed = self._confirm(SEND_TIMEOUT if reading else 0.0)
+        self._refuse_if_refused(payload)
+        return confirmed
+
+    def _refuse_if_refused(self, payload: bytes) -> None:
+        refused = self._refused
+        if refused is not None and self._refused_payload == payload:
+            raise FlushError(f"the guard at {shown(self.guard or '')} refused this trainer's state: {shown(refused)}")
+
+    def _stopped(self) -> bool:
+        """Is the local watchdog process stopped (SIGSTOP, a debugger)? Never known for a guard."""
+        if self.guard is not None or not self.pid:
+            return False
+        try:
+            with open(f"/proc/{self.pid}/stat", "rb") as handle:
+                return handle.read().rpartition(b")")[2].split()[0] in (b"T", b"t")
+        except (OSError, IndexError):
+            return False
 
     def disarm(self) -> None:
         """Let the watchdog exit without flushing (within a second); its ledger record is removed.
@@ -190,6 +218,8 @@ class Watchdog:
         """
         with _lock:
             self._disarmed = True
+            if self._following is not None:
+                self._following.set()
             if self in _watchdogs:
                 _watchdogs.remove(self)
             if self._control is None:
@@ -212,17 +242,24 @@ class Watchdog:
         provider = self._options.bearer_provider or resolve_bearer(env)
         tokens = None if provider is None else _tokens(provider, ids)
         options = self._options
+        if len(ids) > _watchdog_process.MAX_IDS:
+            raise ConfigError(f"watchdog: {len(ids)} ids; a watchdog holds at most {_watchdog_process.MAX_IDS}")
         state = {
             "urls": urls, "ids": ids, "tokens": tokens, "ledger": self.ledger, "heartbeat": DEFAULT_HEARTBEAT,
+            "trainer": self._token,
             "sys_path": [os.path.abspath(path) for path in sys.path],
             "options": {"deadline": options.deadline, "retries": options.retries, "max_workers": options.max_workers,
                         "connect_timeout": options.connect_timeout, "backoff_factor": options.backoff_factor,
                         "until_idle": options.until_idle, "ca_bundle": _absolute(options.ca_bundle),
                         "client_cert": _absolute(options.client_cert)},  # paths: the watchdog runs in /
         }
-        payload = json.dumps(state).encode()
+        payload = _watchdog_process.encode_state(state)
         if len(payload) > _watchdog_process.MAX_STATE_BYTES:
             raise ConfigError(f"watchdog: {len(ids)} ids make a state over {_watchdog_process.MAX_STATE_BYTES} bytes")
+        if payload != self._payload:
+            problem = _watchdog_process.shape_problem(payload)
+            if problem is not None:
+                raise ConfigError(f"watchdog: the state would be {problem}")
         return payload, frozenset((url, instance_id) for url in urls for instance_id in ids)
 
     def _queue(self, payload: bytes, pairs: frozenset[tuple[str, str]]) -> None:
@@ -230,7 +267,7 @@ class Watchdog:
         part is ended first (the watchdog drops it: it keeps the last state it had whole)."""
         self._seq += 1
         self._payload, self._pairs = payload, pairs
-        message = b'{"seq": %d, "state": %s}\n' % (self._seq, payload)
+        message = b'{"seq": %d, "v": %d, "state": %s}\n' % (self._seq, _watchdog_process.PROTOCOL, payload)
         self._outbox[:] = (_END_CUT_LINE if self._cut else b"") + message
 
     def _talk(self) -> bool:
@@ -248,30 +285,42 @@ class Watchdog:
     def _read_word(self, ready: _Fd) -> None:
         if not ready.ours():
             raise _Lost
+        ended = False
         while True:
             try:
                 chunk = os.read(ready.fd, 4096)
             except BlockingIOError:
                 break
             except OSError:
-                raise _Lost from None
+                ended = True
+                break
             if not chunk:
-                raise _Lost
+                ended = True
+                break
             self._inbox += chunk
         *lines, self._inbox = self._inbox.split(b"\n")
-        for line in lines:
-            word, _, rest = line.partition(b" ")
-            if word == _watchdog_process.HELD:
-                seq, _, pid = rest.partition(b" ")
-                if seq.isdigit() and pid.isdigit():
-                    self._held, self.pid = max(self._held, int(seq)), int(pid)
-            elif word == _watchdog_process.LEDGER:
-                error = None if rest == b"ok" else rest.decode("utf-8", "replace")
-                if error is not None and error != self.ledger_error:
-                    _unsaid.append(f"the watchdog (pid {self.pid}) cannot write its ledger record in "
-                                   f"{shown(self.ledger or '')}: {shown(error)}; recover() elsewhere may take this "
-                                   "trainer for gone (it keeps trying every heartbeat)")
-                self.ledger_error = error
+        for line in lines:  # before a loss is raised: a guard says why it refused, then closes
+            self._hear(line)
+        if ended:
+            raise _Lost
+
+    def _hear(self, line: bytes) -> None:
+        """Take one line the watchdog or guard said."""
+        word, _, rest = line.partition(b" ")
+        if word == _watchdog_process.HELD:
+            seq, pid, *protocol = rest.split(b" ")
+            if seq.isdigit() and pid.isdigit():
+                self._held, self.pid = max(self._held, int(seq)), int(pid)
+                self._guard_protocol = int(protocol[0]) if protocol and protocol[0].isdigit() else 1
+        elif word == _watchdog_process.REFUSED:
+            self._refused, self._refused_payload = rest.decode("utf-8", "replace"), self._payload
+        elif word == _watchdog_process.LEDGER:
+            error = None if rest == b"ok" else rest.decode("utf-8", "replace")
+            if error is not None and error != self.ledger_error:
+                _unsaid.append(f"the watchdog (pid {self.pid}) cannot write its ledger record in "
+                               f"{shown(self.ledger or '')}: {shown(error)}; recover() elsewhere may take this "
+                               "trainer for gone (it keeps trying every heartbeat)")
+            self.ledger_error = error
 
     def _write_outbox(self, control: _Fd) -> None:
         while self._outbox:
@@ -297,13 +346,11 @@ class Watchdog:
                 if self._held == self._seq and not self._outbox:
                     return True
                 assert self._control is not None and self._ready is not None  # _talk() says so
-                waits = ([self._ready.fd], [self._control.fd] if self._outbox else [])
+                ready, control = self._ready.fd, self._control.fd if self._outbox else None
             left = give_up_at - time.monotonic()
             if left <= 0:
                 return False
-            try:
-                select.select(*waits, [], left)
-            except (OSError, ValueError):  # closed meanwhile by disarm() in another thread
+            if not _wait_for(ready, control, left):  # closed meanwhile by disarm() in another thread
                 return False
 
     def _forget_lost(self) -> None:
@@ -344,8 +391,12 @@ class Watchdog:
             with _lock:
                 self._close()
             if process is None:
+                self._refuse_if_refused(payload)
                 raise FlushError(f"the guard at {shown(self.guard or '')} did not take the state in {patience:g} s")
             raise FlushError(f"the watchdog process did not start (exit status {process.returncode})")
+        if held and process is None:
+            self._check_guard_protocol()
+            self._follow()
         if held and process is not None and os.getpid() == 1:
             log.warning("the watchdog (pid %d) was armed by PID 1 of its PID namespace (a container's main "
                         "process): it dies with the container and flushes nothing then; run swe-flush guard "
@@ -389,17 +440,19 @@ class Watchdog:
         return process
 
     def _connect(self, patience: float) -> None:
-        """Connect to the guard's socket, trying for up to ``patience`` (a sidecar may start later)."""
+        """Connect to the guard's socket, trying for up to ``patience`` (a sidecar may start later).
+
+        Raises:
+            ImpostorError: another user listens there; nothing was sent.
+            FlushError: no guard answered in time.
+        """
         path = self.guard or ""
         give_up_at = time.monotonic() + patience
         while True:
             with _fork_lock:  # no fork between the socket's creation and its registration
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 try:
-                    sock.settimeout(SEND_TIMEOUT)
-                    sock.connect(path)
+                    sock = connect_to_guard(path, SEND_TIMEOUT)
                 except OSError as exc:
-                    sock.close()
                     why = exc.strerror or type(exc).__name__
                 else:
                     end = _Fd(sock.detach())
@@ -410,6 +463,88 @@ class Watchdog:
                 raise FlushError(f"no guard answers at {shown(path)} ({why})")
             time.sleep(0.05)
 
+    def _check_guard_protocol(self) -> None:
+        """A guard older than this trainer is disarmed at once and refused with a ``FlushError``."""
+        if self._guard_protocol >= _watchdog_process.PROTOCOL:
+            return
+        with _lock:
+            self._outbox[:] = (_END_CUT_LINE if self._cut else b"") + _DISARM
+            self._talk()
+        self._confirm(SEND_TIMEOUT)  # lets the guard read the disarm: it must not flush us later
+        with _lock:
+            self._close()
+        raise FlushError(f"the guard at {shown(self.guard or '')} speaks protocol {self._guard_protocol}, older "
+                         f"than this trainer's {_watchdog_process.PROTOCOL}: upgrade it to this swe_flush_sync "
+                         "version or later")
+
+    def _follow(self) -> None:
+        """Start the follower thread (once): it notices within a second that the guard went away and
+        reconnects as soon as its socket is back, handing the last state over again."""
+        if self._following is not None:
+            return
+        self._following = threading.Event()
+        threading.Thread(target=self._follow_guard, args=(self._following,), name="swe-flush-guard-follower",
+                         daemon=True).start()
+
+    def _follow_guard(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            with _lock:
+                if self._disarmed:
+                    return
+                ready = self._ready.fd if self._ready is not None and self._talk() else None
+            if ready is not None:
+                _wait_for(ready, None, FOLLOW_INTERVAL)  # its word, or its end (a closed fd: at once)
+                continue
+            self._reconnect(0.0)
+            stop.wait(RECONNECT_INTERVAL)
+
+    def _reconnect(self, wait: float) -> bool:
+        """Connect to the guard again and hand it the last state; True when it holds it. Runs no user
+        code (the follower thread calls it). Waits up to ``wait`` for a reconnect already under way."""
+        acquired = self._reconnecting.acquire(True, wait) if wait > 0 else self._reconnecting.acquire(False)
+        if not acquired:
+            return False
+        try:
+            with _lock:
+                if self._disarmed or (self._ready is not None and self._talk()):
+                    return not self._disarmed
+                if self._refused is not None and self._refused_payload == self._payload:
+                    return False  # the same state again would be refused again: refresh() says why
+                ended = self.pid
+            try:
+                self._connect(0.0)
+            except ImpostorError as exc:
+                self._say_once(f"impostor {exc.uid}", f"{exc}; this trainer stays unguarded until its guard "
+                                                      "is back")
+                return False
+            except FlushError:
+                return False  # not back yet
+            with _lock:
+                if self._disarmed:
+                    self._close()
+                    return False
+                self._queue(self._payload, self._pairs)
+            if not self._confirm(SEND_TIMEOUT):
+                with _lock:
+                    self._close()
+                return False
+            try:
+                self._check_guard_protocol()
+            except FlushError as exc:
+                self._say_once("protocol", str(exc))
+                return False
+            _unsaid.append(f"the guard at {shown(self.guard or '')} went away (pid {ended}); handed over again "
+                           f"to pid {self.pid}")
+            self._said.clear()
+            return True
+        finally:
+            self._reconnecting.release()
+
+    def _say_once(self, kind: str, warning: str) -> None:
+        if kind not in self._said:
+            self._said.add(kind)
+            _unsaid.append(warning)
+
     def _rearm(self) -> None:
         """Start a new watchdog process for a lost one, or reconnect to the guard (by ``abort``, and for
         a guard by ``refresh``); a guard at most once a second, a process at most once a minute after a failure."""
@@ -417,18 +552,10 @@ class Watchdog:
             return
         ended = self.pid
         if self.guard is not None:
-            self._rearm_after = time.monotonic() + RECONNECT_INTERVAL
-            try:
-                self._start(patience=SEND_TIMEOUT)  # never blocks the step for more than a second
-            except (FlushError, ConfigError) as exc:
-                if not self._said_unreachable:
-                    self._said_unreachable = True
-                    _unsaid.append(f"the guard went away and cannot be reached again: {exc}; a hard death of "
-                                   "this trainer flushes nothing until it is back (tried again every second)")
-                return
-            self._said_unreachable = False
-            _unsaid.append(f"the guard at {shown(self.guard)} went away (pid {ended}); handed over again to pid "
-                           f"{self.pid}")
+            if not self._reconnect(0.0):
+                self._say_once("unreachable", f"the guard at {shown(self.guard)} went away and cannot be reached "
+                                              "again: a hard death of this trainer flushes nothing until it is back "
+                                              "(tried again every 0.1 s)")
             return
         try:
             self._start()
@@ -441,12 +568,29 @@ class Watchdog:
         _unsaid.append(f"the watchdog process (pid {ended}) had ended; re-armed as pid {self.pid}")
 
     def _forget_in_child(self) -> None:
-        """In a forked child: the child has no watchdog (its copies are closed by the at-fork hook)."""
+        """In a forked child: the child has no watchdog (its copies are closed by the at-fork hook) and
+        no follower thread."""
         self._control = self._ready = None
         self._disarmed = True
+        self._following = None
+        self._reconnecting = threading.Lock()
 
     def __repr__(self) -> str:
         return f"Watchdog(pid={self.pid}, armed={self.armed}, ledger={self.ledger!r})"
+
+
+def _wait_for(read_fd: int, write_fd: int | None, timeout: float) -> bool:
+    """Wait up to ``timeout`` until ``read_fd`` is readable or ``write_fd`` writable (``poll``: any fd
+    number); False when a descriptor was closed meanwhile."""
+    poller = select.poll()
+    poller.register(read_fd, select.POLLIN)
+    if write_fd is not None:
+        poller.register(write_fd, select.POLLOUT)
+    try:
+        events = poller.poll(max(timeout, 0.0) * 1000)
+    except (OSError, ValueError):
+        return False
+    return not any(flags & select.POLLNVAL for _, flags in events)
 
 
 def _absolute(paths: str | tuple[str, str] | None) -> str | list[str] | None:

@@ -35,12 +35,22 @@ if TYPE_CHECKING:
     from swe_flush_sync import FlushReport
 
 RECORD_VERSION: Final = 1
-MAX_STATE_BYTES: Final = 64 << 20  # a control line, and so a ledger record (smaller), is at most this long
+# The protocol of the control lines: 1 (0.5.0) had no version; 2 adds "v", the trainer's token, the
+# guard's version in "held", "refused", and strings that hold no raw backslash-quote (see encode_state).
+PROTOCOL: Final = 2
+MAX_IDS: Final = 100_000  # ids in one state
+MAX_STATE_BYTES: Final = 32 << 20  # a control line, and so a ledger record, is at most this long
+MAX_STRINGS: Final = 3 * MAX_IDS + 4096  # ids, and each id's bearer with its key, and the rest
+MAX_ITEMS: Final = 2 * MAX_IDS + 4096  # commas outside strings: list items and object members
+MAX_CONTAINERS: Final = 64  # lists and objects in one message ("[" and "{" outside strings)
 RECORD_SUFFIX: Final = ".json"
+GUARD_RECORD_PREFIX: Final = "trainer-"  # a guard's record: trainer-<TOKEN>.json, one per trainer
 CANCEL: Final = b"\x18"  # ends a line written only in part: "drop this line" (JSON never holds a raw one)
-STATUS: Final = b"status"  # the answer to {"status": true}: "status PID TRAINERS"
-HELD: Final = b"held"  # "held SEQ PID": the watchdog holds state SEQ whole (the first one: it is armed)
+STATUS: Final = b"status"  # the answer to {"status": true}: "status PID TRAINERS [draining]"
+HELD: Final = b"held"  # "held SEQ PID PROTOCOL": the watchdog holds state SEQ whole (the first one: it is armed)
 LEDGER: Final = b"ledger"  # "ledger ok", or "ledger WHY" when its record could not be written
+REFUSED: Final = b"refused"  # "refused WHY": a guard will not hold this state; the connection ends
+DEFAULT_HEARTBEAT: Final = 10.0  # seconds between two heartbeats of a ledger record
 SAY_TIMEOUT: Final = 0.5  # seconds a line to the inherited stderr may take (a reader that stopped reading)
 IGNORED_SIGNALS: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 PROCESS_NAME: Final = b"swe-flush-watch"  # /proc/PID/comm, at most 15 bytes
@@ -49,6 +59,29 @@ PROCESS_NAME: Final = b"swe-flush-watch"  # /proc/PID/comm, at most 15 bytes
 # flush request. requests itself (another 10 MiB) is imported only then.
 PRELOADED: Final = ("ssl", "http.client", "email.parser", "concurrent.futures.thread", "logging", "dataclasses",
                     "urllib.parse", "hmac", "hashlib", "queue", "weakref", "typing")
+
+
+def encode_state(message: Mapping[str, Any]) -> bytes:
+    """``message`` as one JSON line body in which a ``"`` byte only ever starts or ends a string: the
+    escapes ``\\\\`` and ``\\"`` are written ``\\u005c`` and ``\\u0022`` (the same JSON), so a reader can
+    check the line's shape by splitting it on ``"`` before it parses it."""
+    return json.dumps(message).encode().replace(b"\\\\", b"\\u005c").replace(b'\\"', b"\\u0022")
+
+
+def shape_problem(line: bytes | bytearray) -> str | None:
+    """Why ``line`` is not shaped like a control message (too many strings, items or containers,
+    or escapes ``encode_state`` never writes), or None. Costs a few C-level passes over the bytes,
+    so a line that would parse into a huge or deeply nested object is refused before ``json.loads``."""
+    if line.count(b'"') > 2 * MAX_STRINGS:
+        return f"a message of more than {MAX_STRINGS} strings"
+    if b'\\"' in line or b"\\\\" in line:
+        return "a message with a raw backslash escape (not protocol 2)"
+    outside = line.split(b'"')[0::2]  # what is not inside a string
+    if sum(part.count(b"[") + part.count(b"{") for part in outside) > MAX_CONTAINERS:
+        return f"a message of more than {MAX_CONTAINERS} lists and objects"
+    if sum(part.count(b",") for part in outside) > MAX_ITEMS:
+        return f"a message of more than {MAX_ITEMS} items"
+    return None
 
 
 def host_name() -> str:
@@ -122,30 +155,41 @@ def write_atomically(path: str, data: bytes) -> None:
 
 
 class _RecordKeeper:
-    """The trainer's record in the ledger directory, kept by the watchdog."""
+    """One trainer's record in a ledger directory, kept by its watchdog or guard.
 
-    def __init__(self, folder: str, trainer_pid: int, heartbeat: float) -> None:
+    ``update`` takes a new state (on the loop's thread); ``write`` and ``remove`` do the file I/O,
+    wherever the loop runs it (inline for a watchdog, on a writer thread for a guard).
+    """
+
+    def __init__(self, folder: str, trainer_pid: int, heartbeat: float, token: str | None = None) -> None:
         self.heartbeat = heartbeat
+        self.gone = False  # the trainer is gone and its flush has not succeeded yet: any recover may take it
         self._host = host_name()
         self._started = process_start_time(trainer_pid) if trainer_pid > 0 else None
         self._pid = trainer_pid
         self._boot = boot_id()
-        # Where the pid means something: ours (the watchdog's trainer started it; a guard sees its
-        # peers' pids translated into its own namespace). None when the pid is unknown here: the
-        # heartbeat then decides.
-        self._namespace = pid_namespace() if self._started is not None else None
+        # Where the pids mean something: the keeper's own namespace (a guard sees a peer's pid
+        # translated into its namespace, or 0 for a peer in a sibling one: start_time is None then).
+        self._namespace = pid_namespace()
+        self._token = token
         self._watchdog = {"watchdog_pid": os.getpid(), "watchdog_start_time": process_start_time(os.getpid())}
-        self.path = os.path.join(folder, record_file_name(self._host, trainer_pid, self._started, os.getpid()))
+        name = f"{GUARD_RECORD_PREFIX}{token}{RECORD_SUFFIX}" if token is not None else \
+            record_file_name(self._host, trainer_pid, self._started, os.getpid())
+        self.path = os.path.join(folder, name)
         self._state: Mapping[str, Any] = {}
 
-    def write(self, state: Mapping[str, Any] | None = None) -> None:
-        """Write (or rewrite) the record with ``state``'s servers and ids and a fresh heartbeat."""
-        if state is not None:
-            self._state = state
-        record = {"version": RECORD_VERSION, "urls": list(self._state.get("urls", ())),
-                  "ids": list(self._state.get("ids", ())), "host": self._host, "pid": self._pid,
+    def update(self, state: Mapping[str, Any]) -> None:
+        """The state the next ``write`` records."""
+        self._state = state
+
+    def write(self) -> None:
+        """Write (or rewrite) the record with the last state's servers and ids and a fresh heartbeat."""
+        state = self._state
+        record = {"version": RECORD_VERSION, "urls": list(state.get("urls", ())),
+                  "ids": list(state.get("ids", ())), "host": self._host, "pid": self._pid,
                   "start_time": self._started, "boot_id": self._boot, "pid_ns": self._namespace, **self._watchdog,
-                  "heartbeat": time.time(), "heartbeat_interval": self.heartbeat}
+                  "heartbeat": time.time(), "heartbeat_interval": self.heartbeat, "trainer": self._token,
+                  "gone": self.gone}
         write_atomically(self.path, json.dumps(record).encode())
 
     def remove(self) -> None:
@@ -153,8 +197,11 @@ class _RecordKeeper:
             os.unlink(self.path)
 
     def remove_older(self) -> None:
-        """Remove this trainer's records kept by watchdogs or guards that are gone (a guard restarted
-        while the trainer lived: the trainer reconnected, so its new record is the one to keep)."""
+        """Remove this trainer's records kept by watchdogs that are gone (named by pid; a guard's
+        records are named by the trainer's token, so a restarted guard's record replaces its
+        predecessor's)."""
+        if self._token is not None:
+            return
         mine = os.path.basename(self.path)
         prefix = mine[:-len(RECORD_SUFFIX)].rpartition(".")[0] + "."
         with contextlib.suppress(OSError):
@@ -198,35 +245,52 @@ def _detach() -> None:
         pass
 
 
+LedgerIO = Callable[["Channel", Callable[[], None]], None]
+"""Runs one channel's record I/O (a write or a removal): a guard queues it on a writer thread."""
+
+
 class Channel:
     """One trainer's control channel: the lines it sends, our word back, its ledger record.
 
-    ``strict`` (a guard's connections): a malformed line, a line over the bound or a message of
-    the wrong shape ends the channel (``error`` says why). Otherwise (the watchdog's own pipe,
-    written only by its trainer) such a line is skipped.
+    ``strict`` (a guard's connections): a malformed line, a line over the bound, a message of the
+    wrong shape or a state ``check`` refuses ends the channel (``error`` says why). Otherwise (the
+    watchdog's own pipe, written only by its trainer) such a line is skipped. A guard passes its
+    own ``ledger`` folder, ``heartbeat`` and ``ledger_io``; the watchdog's pipe brings its ledger
+    with the state and writes its record inline, before it says ``held``.
     """
 
     def __init__(self, read_fd: int, reply_fd: int, trainer_pid: int, *, strict: bool = False,
-                 ledger: str | None = None, status: Callable[[], int] | None = None) -> None:
+                 ledger: str | None = None, heartbeat: float = DEFAULT_HEARTBEAT,
+                 check: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+                 ledger_io: LedgerIO | None = None, status: Callable[[], bytes] | None = None) -> None:
         self.read_fd = read_fd
         self.reply_fd = reply_fd
         self.trainer_pid = trainer_pid
         self.strict = strict
         self._ledger_folder = ledger if strict else None  # a guard's own --ledger; the pipe's comes with the state
+        self._heartbeat = heartbeat
+        self._check = check
+        self._ledger_io = ledger_io
         self._status = status
         self.state: dict[str, Any] | None = None
         self.ledger: _RecordKeeper | None = None
         self.disarmed = False
         self.error: str | None = None
         self.next_beat = float("inf")
-        self._pending = b""
+        self.pending = bytearray()  # the start of a line not yet ended
         self._ledger_error: str | None = None
         os.set_blocking(reply_fd, False)  # a trainer that does not read our word never stops us
+
+    @property
+    def token(self) -> str | None:
+        """The trainer's token (protocol 2), None before its first state or from an older trainer."""
+        token = (self.state or {}).get("trainer")
+        return token if isinstance(token, str) else None
 
     def read(self) -> bool:
         """Take what can be read; False when the channel has ended (end-of-file, disarm, ``error``)."""
         try:
-            chunk = os.read(self.read_fd, 1 << 20)
+            chunk = os.read(self.read_fd, 1 << 18)
         except BlockingIOError:
             return True
         except OSError as exc:  # ECONNRESET: the peer is gone
@@ -235,26 +299,43 @@ class Channel:
             chunk = b""
         if not chunk:
             return False
-        self._pending += chunk
-        *lines, self._pending = self._pending.split(b"\n")
-        if len(self._pending) > MAX_STATE_BYTES + 1024:
+        start = len(self.pending)
+        self.pending += chunk
+        end = self.pending.find(b"\n", start)  # only the new bytes are searched: no quadratic rescans
+        while end >= 0:
+            line = self.pending[:end]
+            del self.pending[:end + 1]
+            if not self._take_guarded(line):
+                return False
+            end = self.pending.find(b"\n")
+        if len(self.pending) > MAX_STATE_BYTES:
             return self._bad(f"a line over {MAX_STATE_BYTES} bytes")
-        return all(self._take(line) for line in lines)
+        return True
 
     def _bad(self, why: str) -> bool:
         if self.strict:
             self.error = why
             return False
-        self._pending = b""
+        self.pending.clear()
         return True
 
-    def _take(self, line: bytes) -> bool:
+    def _take_guarded(self, line: bytearray) -> bool:
+        """``_take``, with whatever it raises ending only this line (and a strict channel)."""
+        try:
+            return self._take(line)
+        except Exception as exc:  # noqa: BLE001 - what a peer sends never stops the loop
+            return self._bad(f"a message that raised {type(exc).__name__}")
+
+    def _take(self, line: bytearray) -> bool:
         """Apply one line; False when the channel ends (disarm, or a strict channel's bad line)."""
         if line.endswith(CANCEL) or not line:
             return True  # a line the trainer could write only in part and then ended: the next one replaces it
+        problem = shape_problem(line) if self.strict else None
+        if problem is not None:
+            return self._bad(problem)
         try:
             message = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             return self._bad("a line that is not JSON")
         if not isinstance(message, dict):
             return self._bad("a message that is not an object")
@@ -262,17 +343,25 @@ class Channel:
             self.disarmed = True
             return False
         if message.get("status") is True:  # a probe (swe-flush guard --status): how many trainers are held
-            self.tell(STATUS + b" %d %d" % (os.getpid(), self._status() if self._status else 1))
+            self.tell(STATUS + b" %d " % os.getpid() + (self._status() if self._status else b"1"))
             return True
         state, seq = message.get("state"), message.get("seq")
         if not isinstance(state, dict) or isinstance(seq, bool) or not isinstance(seq, int):
             return self._bad("a message of the wrong shape")
+        if self._check is not None:
+            try:
+                state = self._check(state)
+            except ValueError as exc:
+                self.tell(REFUSED + b" " + str(exc).encode("utf-8", "replace"))
+                return self._bad(f"a state it refused: {exc}")
+        if self.token is not None and state.get("trainer") != self.token:
+            return self._bad("a state of another trainer")
         first = self.state is None
         self.state = state
         self.keep_record(state)  # first: once watchdog() or refresh() returns, recover() can see it
         if first and self.ledger is not None:
-            self.ledger.remove_older()
-        self.tell(HELD + b" %d %d" % (seq, os.getpid()))
+            self._run_ledger_io(self.ledger.remove_older)
+        self.tell(HELD + b" %d %d %d" % (seq, os.getpid(), PROTOCOL))
         return True
 
     def tell(self, word: bytes) -> None:
@@ -281,15 +370,28 @@ class Channel:
             os.write(self.reply_fd, word + b"\n")
 
     def keep_record(self, state: dict[str, Any] | None = None) -> None:
-        """Write the ledger record (with ``state``, else a heartbeat); say once per kind when it fails."""
-        folder = self._ledger_folder if self.strict else state.get("ledger") if state is not None else None
-        if self.ledger is None and isinstance(folder, str) and state is not None:
-            self.ledger = _RecordKeeper(folder, self.trainer_pid, float(state.get("heartbeat", 10.0)))
+        """Write the ledger record (with ``state``, else a heartbeat)."""
+        if self.ledger is None and state is not None:
+            if self.strict:
+                folder, heartbeat = self._ledger_folder, self._heartbeat
+            else:
+                folder, heartbeat = state.get("ledger"), _positive(state.get("heartbeat"), DEFAULT_HEARTBEAT)
+            if isinstance(folder, str):
+                self.ledger = _RecordKeeper(folder, self.trainer_pid, heartbeat, self.token if self.strict else None)
         if self.ledger is None:
             return
+        if state is not None:
+            self.ledger.update(state)
         self.next_beat = time.monotonic() + self.ledger.heartbeat
+        self._run_ledger_io(self.ledger.write)
+
+    def _run_ledger_io(self, job: Callable[[], None]) -> None:
+        """Run a record write or removal: queued by a guard, else here, saying once per kind when it fails."""
+        if self._ledger_io is not None:
+            self._ledger_io(self, job)
+            return
         try:
-            self.ledger.write(state)
+            job()
         except OSError as exc:
             error: str | None = exc.strerror or type(exc).__name__
         else:
@@ -300,33 +402,57 @@ class Channel:
             if error is not None:
                 _say(f"swe-flush watchdog for pid {self.trainer_pid}: cannot write the ledger record: {error}")
 
-    def flush(self) -> FlushReport | None:
-        """Flush the last state's pairs with the public ``flush``; None when there was nothing to flush."""
+    def flush(self, pairs: Mapping[str, tuple[str, ...]] | None = None) -> FlushReport | None:
+        """Flush the last state's pairs (or only ``pairs``: server -> ids) with the public ``flush``;
+        None when there was nothing to flush."""
         state = self.state
         if state is None or not state.get("ids") or not state.get("urls"):
             return None
-        from swe_flush_sync import flush  # imported only now: the watchdog's wait stays lean
+        from swe_flush_sync import FlushReport, flush  # imported only now: the watchdog's wait stays lean
 
         tokens = state.get("tokens")
         options = dict(state.get("options") or {})
         if isinstance(tokens, dict):
             options["bearer"] = tokens.__getitem__  # a missing token fails that pair only
-        return flush(state["urls"], state["ids"], linger=0.0, **options)
+        if pairs is None:
+            return flush(state["urls"], state["ids"], linger=0.0, **options)
+        reports = [flush(url, ids, linger=0.0, **options) for url, ids in pairs.items()]
+        return FlushReport(results=tuple(result for report in reports for result in report.results),
+                           elapsed=sum(report.elapsed for report in reports))
+
+    def mark_gone(self) -> None:
+        """Say in the record that the trainer is gone and not yet flushed, so any recover may take it."""
+        if self.ledger is not None:
+            self.ledger.gone = True
+            self._run_ledger_io(self.ledger.write)
 
     def settle(self, report: FlushReport | None) -> None:
         """Remove the record after a flush that succeeded (or nothing to flush, or a disarm)."""
         if self.ledger is not None and (report is None or report.ok):
-            self.ledger.remove()
+            self._run_ledger_io(self.ledger.remove)
+
+
+def _positive(value: Any, default: float) -> float:
+    """``value`` if it is a finite number of seconds above 0.05, else ``default``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.05 <= value < float("inf"):
+        return default
+    return float(value)
 
 
 class WatchLoop:
     """One thread, many channels (``selectors``): reads them, keeps their records' heartbeats, and
     hands each one that ends to ``on_end``. The watchdog runs it over its one pipe; a guard adds a
-    listening socket (``on_ready`` for extra descriptors)."""
+    listening socket (``on_ready`` for extra descriptors).
 
-    def __init__(self, on_end: Callable[[Channel], None]) -> None:
+    ``max_pending`` bounds the bytes of unfinished lines over all channels: a channel whose read
+    would pass it is ended (a strict one) or has its line dropped.
+    """
+
+    def __init__(self, on_end: Callable[[Channel], None], max_pending: int = 4 * MAX_STATE_BYTES) -> None:
         self.selector = selectors.DefaultSelector()
         self.channels: list[Channel] = []
+        self.pending = 0  # bytes of unfinished lines held over all channels
+        self.max_pending = max_pending
         self._on_end = on_end
 
     def add(self, channel: Channel) -> None:
@@ -344,7 +470,22 @@ class WatchLoop:
     def end(self, channel: Channel) -> None:
         self.unwatch(channel.read_fd)
         self.channels.remove(channel)
+        self.pending -= len(channel.pending)
+        channel.pending = bytearray()
         self._on_end(channel)
+
+    def _serve(self, channel: Channel) -> None:
+        before = len(channel.pending)
+        try:
+            alive = channel.read()
+        except Exception as exc:  # noqa: BLE001 - a second wall: one channel's fault ends that channel only
+            channel.error = f"a message that raised {type(exc).__name__}"
+            alive = False
+        if alive and self.pending + len(channel.pending) - before > self.max_pending:
+            alive = channel._bad(f"more than the {self.max_pending >> 20} MiB all peers' unfinished lines may hold")
+        self.pending += len(channel.pending) - before
+        if not alive:
+            self.end(channel)
 
     def run_once(self, timeout: float | None = None) -> None:
         """Wait for something to read (at most ``timeout``, and never past a heartbeat); handle it."""
@@ -354,8 +495,8 @@ class WatchLoop:
             timeout = left if timeout is None else min(timeout, left)
         for key, _ in self.selector.select(timeout):
             if isinstance(key.data, Channel):
-                if not key.data.read():
-                    self.end(key.data)
+                if key.data in self.channels:  # not ended meanwhile by a callback of this round
+                    self._serve(key.data)
             else:
                 key.data()
         now = time.monotonic()

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -147,3 +150,39 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 
 
 PYTHON = sys.executable
+
+
+@dataclass
+class Guard:
+    proc: subprocess.Popen[str]
+    socket: str
+    lines: list[str]
+
+    def stderr(self) -> str:
+        """Its stderr, once it has ended."""
+        assert self.proc.stderr is not None
+        return self.proc.stderr.read()
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A folder with a short path (a socket path is at most 107 bytes; pytest's tmp_path can be longer)."""
+    folder = Path(tempfile.mkdtemp(prefix="sfg-", dir="/tmp"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def start_guard(short_dir: Path) -> Callable[..., Guard]:
+    def start(*extra: str, path: str | None = None, **env: str) -> Guard:
+        socket_path = path or str(short_dir / "run" / "guard.sock")
+        proc = spawn([PYTHON, "-m", "swe_flush_sync", "guard", "--socket", socket_path, *extra],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=subprocess_env(**env),
+                     start_new_session=True)
+        lines: list[str] = []
+        if read_until(proc, lambda line: line.startswith("guarding "), lines) is None:
+            proc.kill()
+            raise AssertionError(f"the guard never said it was guarding: {lines} {proc.communicate()[1]}")
+        return Guard(proc, socket_path, lines)
+
+    return start
