@@ -127,11 +127,14 @@ def read_record(path: str) -> Record:
     """Parse and check the record at ``path``.
 
     Raises:
+        FileNotFoundError: it is gone (another recover claimed it).
         UntrustedRecord: another user owns it or may write it, or it is a symbolic link.
         BadRecord: it cannot be read or is not a valid record (the message says what is wrong).
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise  # claimed (renamed) by another recover meanwhile
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise UntrustedRecord("is a symbolic link") from None
@@ -221,6 +224,8 @@ class _Ledger:
         self.folder = folder
         self.servers = frozenset(servers)
         self.judge = judge
+        self.left_alone: dict[str, int] = {}  # why -> records not flushed nor moved for that reason
+        self.moved_aside = 0
         self.here = Place.here()
         started = process_start_time(os.getpid()) or 0
         self.claim = f"{CLAIM_MARK}{self.here.host}.{self.here.pid_ns}.{os.getpid()}.{started}"
@@ -268,19 +273,37 @@ class _Ledger:
         """The record at ``path`` if it may be flushed by this ``recover``; else None, said once."""
         try:
             record = read_record(path)
+        except FileNotFoundError:
+            return None  # another recover claimed it a moment ago
         except UntrustedRecord as exc:
             log.warning("ledger record %s %s; left alone", shown(os.path.basename(path)), exc)
+            self._leave_alone("another user could have written" if "symbolic" not in str(exc) else "a symbolic link")
             return None
         except BadRecord as exc:
             self._set_aside(path, str(exc))
+            self.moved_aside += 1
             return None
         foreign = [url for url in record.urls if url not in self.servers]
         if foreign:
             log.warning("ledger record %s names %d server(s) recover was not given (%s); left alone: a "
                         "bearer goes only to the servers the recovering side names", shown(os.path.basename(path)),
                         len(foreign), redact_url(foreign[0]))
+            self._leave_alone("naming a server recover was not given")
             return None
         return record
+
+    def _leave_alone(self, why: str) -> None:
+        self.left_alone[why] = self.left_alone.get(why, 0) + 1
+
+    def skipped(self) -> str | None:
+        """What this recover did not flush and why, for ``report.error``; None when it skipped nothing."""
+        parts = []
+        if self.left_alone:
+            reasons = ", ".join(f"{count} {why}" for why, count in sorted(self.left_alone.items()))
+            parts.append(f"left {sum(self.left_alone.values())} record(s) alone ({reasons})")
+        if self.moved_aside:
+            parts.append(f"moved {self.moved_aside} unreadable record(s) aside to *{BAD_SUFFIX}")
+        return "; ".join(parts) or None
 
     def _set_aside(self, path: str, why: str) -> str:
         """Move ``path`` to ``*.bad`` with one warning; the name it now has."""
@@ -350,8 +373,10 @@ def recover(ledger: str, *, servers: str | Iterable[str] | None = None, environ:
 
     Returns:
         The ``FlushReport`` of every pair flushed (empty when nothing was to do). A ledger that
-        cannot be listed or may not be trusted, and ids set aside, are in ``report.error`` (so
-        ``report.ok`` is False).
+        cannot be listed or may not be trusted, ids set aside, records left alone (another user
+        could have written them, or they name a server not given) and records moved aside are
+        counted in ``report.error`` (so ``report.ok`` is False and ``swe-flush recover`` exits 1).
+        Records of live owners are not: leaving them is the rule.
 
     Raises:
         ConfigError: ``ledger`` is not a path, no server is named, or a bad option. Never for a
@@ -389,13 +414,15 @@ def recover_with(ledger: str, servers: str | Iterable[str] | None, environ: Mapp
         return _logged(FlushReport(elapsed=time.monotonic() - started,
                                    error=f"the ledger cannot be read: {exc.strerror or type(exc).__name__}"))
     if not claimed:
-        return FlushReport(elapsed=time.monotonic() - started)
+        return _logged(FlushReport(elapsed=time.monotonic() - started, error=book.skipped())) if book.skipped() \
+            else FlushReport(elapsed=time.monotonic() - started)
     if flush_options.bearer_provider is None:
         flush_options = dataclasses.replace(flush_options, bearer=resolve_bearer(env))
     report = _flush_records([record for _, record in claimed], flush_options)
     set_aside = book.settle(claimed, report)
+    skipped = book.skipped()
     return _logged(FlushReport(results=report.results, elapsed=time.monotonic() - started,
-                               error="; ".join(set_aside) or None))
+                               error="; ".join([*set_aside, *([skipped] if skipped else [])]) or None))
 
 
 def _logged(report: FlushReport) -> FlushReport:

@@ -12,6 +12,7 @@ dying, and Python 3.12 (which starts no thread once the main thread has ended) f
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import logging
 import os
@@ -20,6 +21,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, wait
 from types import FrameType
@@ -196,7 +198,7 @@ def _abort_report(args: Any, environ: Mapping[str, str] | None, options: FlushOp
         env = os.environ if environ is None else environ
         urls = resolve_server_urls(env)
         if not urls:
-            _say_no_server_once(hook)
+            _warn_no_server_once(args, hook)
             return FlushReport(elapsed=time.monotonic() - started)
         ids = resolve_instance_ids(args)
         if not ids:
@@ -213,11 +215,21 @@ def _abort_report(args: Any, environ: Mapping[str, str] | None, options: FlushOp
     return FlushReport(elapsed=time.monotonic() - started, error=error)
 
 
-def _say_no_server_once(hook: bool) -> None:
+def _warn_no_server_once(args: Any, hook: bool) -> None:
+    """Ids to flush but nowhere to send them: a misconfiguration, said once per process with
+    ``warnings.warn`` (it reaches stderr with no logging set up). Never from a hook."""
     if _State.said_no_server or hook:
         return
+    try:
+        ids = resolve_instance_ids(args)
+    except FlushError:
+        return  # bad args and no server: nothing to say about the ids
+    if not ids:
+        return
     _State.said_no_server = True
-    log.info("abort: no agent server configured (%s unset); nothing is flushed", " and ".join(URL_ENV_VARS))
+    with contextlib.suppress(Warning):  # "-W error" makes it an exception: abort still never raises
+        warnings.warn(f"abort: {len(ids)} instance id(s) in args but no agent server configured "
+                      f"({' and '.join(URL_ENV_VARS)} unset): nothing was flushed", UserWarning, stacklevel=4)
 
 
 def abort(args: Any, *, environ: Mapping[str, str] | None = None, **options: Unpack[OptionKwargs]) -> FlushReport:
@@ -240,8 +252,8 @@ def abort(args: Any, *, environ: Mapping[str, str] | None = None, **options: Unp
             ``admin_secret``/``bearer`` to override the environment's bearer, ...).
 
     Returns:
-        The ``FlushReport``. No server or no ids: an empty ok report, nothing sent (no server
-        configured is said once per process at INFO). A configuration problem (a bad option
+        The ``FlushReport``. No server or no ids: an empty ok report, nothing sent (ids with no
+        server configured is said once per process with ``warnings.warn``). A configuration problem (a bad option
         or environment value) is logged as one warning and returned in ``report.error``.
 
     Raises:

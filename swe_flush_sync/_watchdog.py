@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
 
@@ -52,6 +53,7 @@ GUARD_ENV_VAR: Final = "SWE_FLUSH_GUARD"
 MAX_SOCKET_PATH: Final = 107  # bytes in sockaddr_un's sun_path, less its NUL
 RECONNECT_INTERVAL: Final = 0.1  # seconds between two attempts to reach a guard that went away
 FOLLOW_INTERVAL: Final = 0.5  # seconds the guard's follower thread waits for its word before it looks again
+REFUSED_RETRY: Final = 5.0  # seconds before the follower offers a refused state again (a draining guard)
 
 # Held only around non-blocking pipe I/O, never while user code (args getters, bearer providers,
 # logging) runs, so a signal hook never waits on it for long. Re-entrant: a signal hook may run
@@ -136,6 +138,7 @@ class Watchdog:
         self._guard_protocol = _watchdog_process.PROTOCOL  # what the guard said in its last "held"
         self._refused: str | None = None  # why the guard refused the state last queued
         self._refused_payload = b""  # ... and that state
+        self._refused_at = 0.0  # ... and when
         self._reconnecting = threading.Lock()  # one reconnect at a time (the follower thread, refresh, abort)
         self._following: threading.Event | None = None  # set to end the follower thread (guards only)
         self._said: set[str] = set()  # warnings of the follower thread said once
@@ -312,8 +315,10 @@ class Watchdog:
             if seq.isdigit() and pid.isdigit():
                 self._held, self.pid = max(self._held, int(seq)), int(pid)
                 self._guard_protocol = int(protocol[0]) if protocol and protocol[0].isdigit() else 1
+                self._refused = None
         elif word == _watchdog_process.REFUSED:
             self._refused, self._refused_payload = rest.decode("utf-8", "replace"), self._payload
+            self._refused_at = time.monotonic()
         elif word == _watchdog_process.LEDGER:
             error = None if rest == b"ok" else rest.decode("utf-8", "replace")
             if error is not None and error != self.ledger_error:
@@ -398,9 +403,10 @@ class Watchdog:
             self._check_guard_protocol()
             self._follow()
         if held and process is not None and os.getpid() == 1:
-            log.warning("the watchdog (pid %d) was armed by PID 1 of its PID namespace (a container's main "
-                        "process): it dies with the container and flushes nothing then; run swe-flush guard "
-                        "outside the container and arm with guard=PATH (or %s)", self.pid, GUARD_ENV_VAR)
+            warnings.warn(f"the watchdog (pid {self.pid}) was armed by PID 1 of its PID namespace (a container's "
+                          "main process): it dies with the container and flushes nothing then; run swe-flush guard "
+                          f"outside the container and arm with guard=PATH (or {GUARD_ENV_VAR})", UserWarning,
+                          stacklevel=3)
 
     def _take_ends(self, control: _Fd, ready: _Fd) -> None:
         with _lock:
@@ -508,8 +514,9 @@ class Watchdog:
             with _lock:
                 if self._disarmed or (self._ready is not None and self._talk()):
                     return not self._disarmed
-                if self._refused is not None and self._refused_payload == self._payload:
-                    return False  # the same state again would be refused again: refresh() says why
+                if self._refused is not None and self._refused_payload == self._payload \
+                        and time.monotonic() - self._refused_at < REFUSED_RETRY:
+                    return False  # refused just now: offered again only after a while (refresh() says why)
                 ended = self.pid
             try:
                 self._connect(0.0)

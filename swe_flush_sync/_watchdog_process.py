@@ -361,7 +361,9 @@ class Channel:
         self.keep_record(state)  # first: once watchdog() or refresh() returns, recover() can see it
         if first and self.ledger is not None:
             self._run_ledger_io(self.ledger.remove_older)
-        self.tell(HELD + b" %d %d %d" % (seq, os.getpid(), PROTOCOL))
+        version = message.get("v")
+        protocol = b" %d" % PROTOCOL if isinstance(version, int) and version >= 2 else b""  # 0.5.0 reads 2 words
+        self.tell(HELD + b" %d %d" % (seq, os.getpid()) + protocol)
         return True
 
     def tell(self, word: bytes) -> None:

@@ -264,6 +264,18 @@ def test_9_option_keys_the_guard_does_not_know_are_dropped_and_the_flush_goes_on
     assert err.count("does not know") == 1 and "a_newer_option, another" in err
 
 
+def test_9_a_trainer_older_than_its_guard_is_still_served(stub: AgentServerStub,
+                                                         start_guard: Callable[..., Guard]) -> None:
+    guard = start_guard()
+    old_state = {"urls": [stub.url], "ids": ["old-a"], "tokens": {"old-a": SECRET}, "heartbeat": 10.0,
+                 "options": {"until_idle": False}, "sys_path": [], "ledger": None}  # as 0.5.0 sent it
+    with connect(guard.socket) as peer:
+        peer.sendall(b'{"seq": 1, "state": %s}\n' % json.dumps(old_state).encode())
+        assert answer(peer).split() == [b"held", b"1", str(guard.proc.pid).encode()]  # the words 0.5.0 reads
+    assert wait_until(lambda: stub.flushed_ids() == ["old-a"], 5.0)
+    assert stub.requests[0].status == 200
+
+
 OLD_GUARD = textwrap.dedent("""
     import os, socket, sys
     listener = socket.socket(socket.AF_UNIX)

@@ -4,6 +4,7 @@ records only of this user, pids only in this PID namespace, and a zombie as dead
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -36,7 +37,8 @@ def test_a_bearer_goes_only_to_the_servers_recover_was_given(stub: AgentServerSt
     with caplog.at_level("WARNING", logger="swe_flush_sync"):
         report = recover(str(tmp_path), environ=env)
     assert listener.requests == [] and listener.connections == 0
-    assert report.ok and sorted(stub.flushed_ids()) == ["ours-a", "ours-b"] and not ours.exists()
+    assert sorted(stub.flushed_ids()) == ["ours-a", "ours-b"] and not ours.exists()
+    assert not report.ok and report.error == "left 2 record(s) alone (2 naming a server recover was not given)"
     assert foreign.read_bytes() == before and mixed.exists() and records(tmp_path) == [foreign, mixed]
     warnings = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
     assert sum("foreign.json" in message and "left alone" in message for message in warnings) == 1
@@ -80,7 +82,9 @@ def test_records_others_could_write_are_left_alone(stub: AgentServerStub, tmp_pa
     good = write_record(tmp_path, "good", ["good-a"], stub.url)
     with caplog.at_level("WARNING", logger="swe_flush_sync"):
         report = recover(str(tmp_path), servers=stub.url, environ=ENV)
-    assert report.ok and stub.flushed_ids() == ["good-a"] and not good.exists()
+    assert stub.flushed_ids() == ["good-a"] and not good.exists()
+    assert not report.ok and report.error == "left 2 record(s) alone (1 a symbolic link, 1 another user could have " \
+                                             "written)"
     assert shared.exists() and (tmp_path / "linked.json").is_symlink() and target.exists()
     assert "shared.json is writable by its group or others (mode 0666); left alone" in caplog.text
     assert "linked.json is a symbolic link; left alone" in caplog.text
@@ -93,7 +97,11 @@ def test_a_record_another_user_owns_is_left_alone(stub: AgentServerStub, tmp_pat
     os.chown(theirs, 4242, 4242)
     good = write_record(tmp_path, "good", ["good-a"], stub.url)
     report = recover(str(tmp_path), servers=stub.url, environ=ENV)
-    assert report.ok and stub.flushed_ids() == ["good-a"] and not good.exists() and theirs.exists()
+    assert stub.flushed_ids() == ["good-a"] and not good.exists() and theirs.exists()
+    assert not report.ok and report.error == "left 1 record(s) alone (1 another user could have written)"
+    out = subprocess.run([PYTHON, "-m", "swe_flush_sync", "recover", str(tmp_path), "--url", stub.url, "--json"],
+                         capture_output=True, text=True, env=subprocess_env(**ENV), timeout=30)
+    assert out.returncode == 1 and json.loads(out.stdout)["error"] == report.error  # the CLI says it and fails
 
 
 @pytest.fixture

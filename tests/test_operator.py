@@ -51,15 +51,23 @@ def test_no_urllib3_record_from_a_worker_but_the_apps_own_pass(stub: AgentServer
     assert any(r.name.startswith("urllib3") for r in caplog.records)
 
 
-def test_no_server_configured_is_said_once_at_info(caplog: pytest.LogCaptureFixture) -> None:
+def test_ids_but_no_server_is_warned_once(recwarn: pytest.WarningsRecorder) -> None:
     from swe_flush_sync import _lifecycle
 
     _lifecycle._State.said_no_server = False
-    caplog.set_level(logging.INFO, logger="swe_flush_sync")
+    assert abort({}, environ={}).ok  # no ids either: nothing to say
+    assert len(recwarn) == 0
     for _ in range(3):
         assert abort({"session_server_instance_id": "a"}, environ={}).ok
-    said = [r.getMessage() for r in caplog.records if "no agent server" in r.getMessage()]
-    assert len(said) == 1 and "AGENT_SERVER_URL" in said[0] and "SWE_AGENT_URL" in said[0]
+    said = [str(w.message) for w in recwarn if "no agent server" in str(w.message)]
+    assert len(said) == 1 and "1 instance id(s)" in said[0] and "AGENT_SERVER_URL" in said[0]
+    assert recwarn[0].filename == __file__  # it points at the caller's abort(), not at the library
+
+
+def test_ids_but_no_server_reaches_stderr_with_no_logging_set_up() -> None:
+    code = "from swe_flush_sync import abort; abort({'session_server_instance_id': 'a'}, environ={})"
+    out = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, env=subprocess_env(), timeout=30)
+    assert out.returncode == 0 and "UserWarning" in out.stderr and "no agent server configured" in out.stderr
 
 
 HOSTILE = ["a\nCRITICAL swe_flush_sync: all flushed OK", "b\r\x1b[2J", "c\udc80", "d\x1b]0;title\x07"]
