@@ -1,7 +1,7 @@
 """swe_flush_sync: flush every agent session-server instance in parallel, within a deadline.
 
 A blocking, thread-based twin of the training framework's async abort hook. One line in a
-training script::
+training script:
 
     from swe_flush_sync import abort
     report = abort(args)  # ids from args, servers and secret from the environment

@@ -1,6 +1,4 @@
-"""The exceptions of swe_flush_sync.
-
-::
+"""The exceptions of swe_flush_sync:
 
     Exception
     └── FlushError               root: catch this to catch everything the library raises

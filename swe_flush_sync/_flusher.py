@@ -88,7 +88,7 @@ class Flusher:
         ConfigError: an option is invalid; the message names it.
 
     Example:
-        >>> with Flusher("http://agent:8000", admin_secret=secret) as flusher:  # doctest: +SKIP
+        >>> with Flusher("http://agent:8000", admin_secret=secret) as flusher:
         ...     report = flusher.flush(["inst-1", "inst-2"], deadline=5)
 
     Not guaranteed: a worker blocked in a DNS lookup or a TCP connect can outlive the deadline
@@ -405,7 +405,7 @@ def flush(server_urls: str | Sequence[str], instance_ids: str | Iterable[str] | 
     closes with the call). Raises ``ConfigError`` on bad URLs, ids or options.
 
     Example:
-        >>> flush("http://agent:8000", ["inst-1"], deadline=5).raise_for_failures()  # doctest: +SKIP
+        >>> flush("http://agent:8000", ["inst-1"], deadline=5).raise_for_failures()
     """
     options.setdefault("linger", 0.0)
     with Flusher(server_urls, **options) as flusher:

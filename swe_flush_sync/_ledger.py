@@ -383,7 +383,7 @@ def recover(ledger: str, *, servers: str | Iterable[str] | None = None, environ:
             bad ledger.
 
     Example:
-        >>> recover("/checkpoints/swe-flush-ledger", servers="http://agent:8000").ok  # doctest: +SKIP
+        >>> recover("/checkpoints/swe-flush-ledger", servers="http://agent:8000").ok
     """
     options.setdefault("until_idle", True)
     return recover_with(ledger, servers, environ, FlushOptions(**options, linger=0.0))

@@ -260,7 +260,7 @@ def abort(args: Any, *, environ: Mapping[str, str] | None = None, **options: Unp
         TypeError: a misspelt option (at the call, like any misspelt keyword).
 
     Example:
-        >>> report = abort(args)  # doctest: +SKIP
+        >>> report = abort(args)
     """
     try:
         flush_options = FlushOptions(**options)
@@ -283,7 +283,7 @@ async def abort_async(args: Any, *, environ: Mapping[str, str] | None = None,
     task does not stop the flush, which still ends by its deadline.
 
     Example:
-        >>> report = await abort_async(args, deadline=5)  # doctest: +SKIP
+        >>> report = await abort_async(args, deadline=5)
     """
     import asyncio  # loaded already wherever a coroutine runs; not paid by sync trainers
 
@@ -422,7 +422,7 @@ def flush_on_signal(args: Any, *, signals: Iterable[int] = (signal.SIGTERM,), en
         ConfigError: not called from the main thread, or a bad option.
 
     Example:
-        >>> hook = flush_on_signal(args, deadline=20)  # doctest: +SKIP
+        >>> hook = flush_on_signal(args, deadline=20)
     """
     _require_main_thread("flush_on_signal")
     flush_options = FlushOptions(**options, linger=0.0)  # nothing lingers past a signal
@@ -478,9 +478,10 @@ def flush_at_exit(args: Any, *, environ: Mapping[str, str] | None = None,
 
     Runs when the main thread ends (normal return, ``sys.exit``, an unhandled exception), in
     ``threading``'s own exit stage: before ``atexit`` callbacks and before the program's other
-    non-daemon threads are joined, where every Python (3.12 included) still starts threads, so
-    the pairs run in parallel on plain daemon threads within ``deadline`` (one by one in the
-    calling thread where no thread can start). Requests earlier aborts left in flight are given
+    non-daemon threads are joined. Python 3.12 starts no new thread there ("can't create new
+    thread at interpreter shutdown"), so the pairs run in parallel within ``deadline`` on
+    standby daemon threads started when the hook was installed (one by one in the calling thread
+    only where no thread could ever start). Requests earlier aborts left in flight are given
     up first, so every pair is sent again. Skipped when a ``flush_on_signal`` hook already
     flushed. Not run when the process dies of a signal nobody handles, or ``os._exit``.
 
@@ -496,7 +497,7 @@ def flush_at_exit(args: Any, *, environ: Mapping[str, str] | None = None,
         ConfigError: a bad option.
 
     Example:
-        >>> flush_at_exit(args, deadline=10)  # doctest: +SKIP
+        >>> flush_at_exit(args, deadline=10)
     """
     flush_options = FlushOptions(**options, linger=0.0)  # nothing lingers past the exit
     _prepare_hook(flush_options)

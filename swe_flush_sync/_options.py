@@ -11,6 +11,7 @@ from ._errors import ConfigError
 from ._tls import check_client_cert, check_path
 
 DEFAULT_DEADLINE: Final = 10.0
+"""Seconds a flush may take when no ``deadline`` is given (every entry point's default)."""
 DEFAULT_RETRIES: Final = 3
 DEFAULT_MAX_WORKERS: Final = 256
 DEFAULT_CONNECT_TIMEOUT: Final = 3.0

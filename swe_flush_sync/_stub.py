@@ -144,7 +144,7 @@ class AgentServerStub:
         ca_bundle: the CA file that trusts the stub's certificate, kept for its clients (not read).
 
     Example:
-        >>> with AgentServerStub(secret="s3cret", teardown=0.1) as stub:  # doctest: +SKIP
+        >>> with AgentServerStub(secret="s3cret", teardown=0.1) as stub:
         ...     stub.add_trials("inst-1", 3)
         ...     flush(stub.url, ["inst-1"], admin_secret="s3cret").cancelled
         3

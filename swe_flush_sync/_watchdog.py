@@ -679,7 +679,7 @@ def watchdog(args: Any, *, guard: str | None = None, environ: Mapping[str, str] 
         FlushError: the watchdog process could not be started, or no guard answered in 10 s.
 
     Example:
-        >>> guard = watchdog(args, deadline=30)  # doctest: +SKIP
+        >>> guard = watchdog(args, deadline=30)
     """
     options.setdefault("until_idle", True)
     flush_options = FlushOptions(**options, linger=0.0)

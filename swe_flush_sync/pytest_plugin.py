@@ -1,7 +1,7 @@
 """A pytest plugin (loaded through the ``pytest11`` entry point): the ``agent_server`` fixture, and
 ``agent_server_tls`` for the same over https.
 
-Example::
+Example:
 
     def test_my_abort(agent_server):
         agent_server.add_trials("inst-1", 2)
@@ -37,7 +37,7 @@ def agent_server_tls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent
     """The same stub serving https, with a certificate for 127.0.0.1 made by ``trustme`` (skipped
     where trustme is not installed). Trust it with ``ca_bundle=agent_server_tls.ca_bundle``.
 
-    Example::
+    Example:
 
         def test_my_abort_over_tls(agent_server_tls):
             report = flush(agent_server_tls.url, ["inst-1"], ca_bundle=agent_server_tls.ca_bundle)

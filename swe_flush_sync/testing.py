@@ -2,7 +2,7 @@
 
 Example:
     >>> from swe_flush_sync.testing import AgentServerStub
-    >>> with AgentServerStub(secret="s3cret") as stub:  # doctest: +SKIP
+    >>> with AgentServerStub(secret="s3cret") as stub:
     ...     stub.fault("inst-2", statuses=[503])
     ...     report = flush(stub.url, ["inst-1", "inst-2"], admin_secret="s3cret")
     ...     assert sorted(stub.flushed_ids()) == ["inst-1", "inst-2"]

@@ -12,11 +12,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -127,3 +131,67 @@ def test_the_framework_hook_as_the_framework_loads_it(stub: AgentServerStub, tmp
                               session_server_instance_id="fw-a")
     report = asyncio.run(hook(args))
     assert report.ok and report.cancelled == 4 and sorted(stub.flushed_ids()) == ["fw-a", "fw-b"]
+
+
+def _block(page: str, language: str, containing: str) -> str:
+    """The one ```language block of ``page`` that contains ``containing``."""
+    blocks = re.findall(rf"^```{language}\n(.*?)^```$", (REPO / "docs" / page).read_text(), re.MULTILINE | re.DOTALL)
+    [block] = [block for block in blocks if containing in block]
+    return str(block)
+
+
+def test_the_prestop_recipe_flushes_with_the_bearer_it_is_given(tmp_path: Path) -> None:
+    """The preStop hook of docs/deployment.md, as written: its command, with only the env vars its pod spec sets."""
+    block = _block("deployment.md", "yaml", "preStop")
+    command = json.loads(re.search(r"command: (\[.*\])", block).group(1))  # type: ignore[union-attr]
+    names = set(re.findall(r"name: ([A-Z_]+)", block))
+    assert command[0] == "swe-flush" and {"AGENT_SERVER_URL", "HARBOR_ADMIN_SECRET"} <= names
+    ids = tmp_path / "session-servers.json"
+    ids.write_text(json.dumps({"session_server_instance_ids": {"30000": "pre-a"},
+                               "session_server_instance_id": "pre-b"}))
+    with AgentServerStub(secret=SECRET) as server:  # checks the bearer: 401 without it
+        values = {"AGENT_SERVER_URL": server.url, "HARBOR_ADMIN_SECRET": SECRET}
+        env = subprocess_env(**{name: values[name] for name in names if name in values})
+        argv = [arg.replace("/tmp/session-servers.json", str(ids)) for arg in command[1:]]
+        run = subprocess.run([PYTHON, "-m", "swe_flush_sync", *argv], capture_output=True, text=True, env=env,
+                             timeout=60)
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert sorted(server.flushed_ids()) == ["pre-a", "pre-b"] and all(r.status == 200 for r in server.requests)
+
+
+def test_the_slurm_wrapper_flushes_when_term_arrives_not_when_the_trainer_ends(tmp_path: Path) -> None:
+    """The batch script of docs/deployment.md, run by a real bash that really gets SIGTERM."""
+    script = _block("deployment.md", "bash", "trap").replace("/tmp/session-servers.json", str(tmp_path / "ids.json"))
+    (tmp_path / "ids.json").write_text(json.dumps({"session_server_instance_id": "slurm-a"}))
+    (tmp_path / "train.py").write_text("import time\nprint('TRAINING', flush=True)\ntime.sleep(120)\n")
+    (tmp_path / "train.sh").write_text(script)
+    bin_dir = os.path.dirname(PYTHON)  # python and swe-flush, as the job's environment has them
+    with AgentServerStub(secret=SECRET) as server:
+        env = subprocess_env(AGENT_SERVER_URL=server.url, HARBOR_ADMIN_SECRET=SECRET,
+                             PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""))
+        batch = spawn(["bash", str(tmp_path / "train.sh")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                      cwd=tmp_path, start_new_session=True)
+        assert read_until(batch, lambda line: line == "TRAINING", []) is not None
+        batch.send_signal(signal.SIGTERM)  # sbatch --signal=B:TERM: to the batch shell only
+        sent = time.monotonic()
+        batch.wait(30)  # the trap flushed, stopped the trainer, and the script ended
+        assert server.flushed_ids() == ["slurm-a"] and server.requests[0].status == 200
+        assert server.requests[0].at - sent < 10  # at the TERM, not 120 s later when the trainer would end
+        assert time.monotonic() - sent < 30
+
+
+def test_the_configuration_page_lists_every_variable_the_code_reads() -> None:
+    """Every environment variable name the package defines (the ``*_ENV_VAR(S)`` constants, the
+    only way it reads the environment) has a row on docs/configuration.md, and no row names one it does not read."""
+    from swe_flush_sync import _resolve, _tls, _watchdog
+
+    read = {*_resolve.URL_ENV_VARS, *_resolve.SECRET_ENV_VARS, _resolve.RUN_SECRET_ENV_VAR, *_tls.CA_BUNDLE_ENV_VARS,
+            _watchdog.LEDGER_ENV_VAR, _watchdog.GUARD_ENV_VAR}
+    page = (REPO / "docs" / "configuration.md").read_text()
+    rows = [line for line in page.splitlines() if line.startswith("| `")]
+    listed = {name for row in rows for name in re.findall(r"`([A-Z][A-Z0-9_]+)`", row.split(" | ")[0])}
+    assert listed == read
+    sources = "".join(path.read_text() for path in (REPO / "swe_flush_sync").glob("*.py"))
+    constants = set(re.findall(r"^([A-Z_]*ENV_VARS?): Final = ", sources, re.MULTILINE))
+    assert constants == {"URL_ENV_VARS", "SECRET_ENV_VARS", "RUN_SECRET_ENV_VAR", "CA_BUNDLE_ENV_VARS",
+                         "LEDGER_ENV_VAR", "GUARD_ENV_VAR"}  # a new one fails here until it is listed above
