@@ -53,6 +53,7 @@ from ._watchdog_process import (
     Channel,
     WatchLoop,
     _say,
+    io_error,
     process_start_time,
 )
 
@@ -85,85 +86,48 @@ class GuardStatus(NamedTuple):
     draining: bool
 
 
-class _Lines:
-    """The guard's stderr lines, written by a thread of their own: a stalled stderr never stops the loop."""
+class _SerialWorker:
+    """Runs jobs one at a time, in order, on a daemon thread of its own, so that what can block (a
+    stalled stderr, an fsync on a slow volume) never stops the loop. A job submitted under a
+    ``key`` that is still waiting is not queued again (a record write that waits writes the
+    latest state when it runs); past ``limit`` waiting jobs, new ones are dropped and counted."""
 
-    def __init__(self) -> None:
-        self._lines: collections.deque[str] = collections.deque()
-        self._ready = threading.Condition()
-        self._dropped = 0
-        threading.Thread(target=self._write, name="swe-flush-guard-stderr", daemon=True).start()
-
-    def say(self, line: str) -> None:
-        with self._ready:
-            if len(self._lines) >= MAX_QUEUED_LINES:
-                self._dropped += 1
-                return
-            self._lines.append(line)
-            self._ready.notify()
-
-    def _write(self) -> None:
-        while True:
-            with self._ready:
-                while not self._lines:
-                    self._ready.wait()
-                line = self._lines[0]
-                dropped, self._dropped = self._dropped, 0
-            if dropped:
-                _say(f"swe-flush guard: ({dropped} lines dropped: stderr was not read)")
-            _say(f"swe-flush guard: {line}")
-            with self._ready:
-                self._lines.popleft()
-                self._ready.notify_all()
-
-    def drain(self, timeout: float) -> None:
-        """Wait up to ``timeout`` for the lines said so far to be written."""
-        give_up_at = time.monotonic() + timeout
-        with self._ready:
-            while self._lines and time.monotonic() < give_up_at:
-                self._ready.wait(give_up_at - time.monotonic())
-
-
-class _LedgerWriter:
-    """Record writes and removals, one at a time on a thread of their own (an fsync on a slow volume
-    delays no hand-over and no flush). A channel has at most one write waiting: it writes the
-    latest state when it runs."""
-
-    def __init__(self, say: Callable[[str], None]) -> None:
-        self._jobs: collections.deque[tuple[Channel, Callable[[], None]]] = collections.deque()
+    def __init__(self, name: str, limit: int | None = None) -> None:
+        self._jobs: collections.deque[tuple[object, Callable[[], None]]] = collections.deque()
+        self._keys: set[object] = set()
         self._running = False
         self._ready = threading.Condition()
-        self._say = say
-        self._said: str | None = None
-        threading.Thread(target=self._run, name="swe-flush-guard-ledger", daemon=True).start()
+        self._limit = limit
+        self.dropped = 0
+        threading.Thread(target=self._run, name=name, daemon=True).start()
 
-    def submit(self, channel: Channel, job: Callable[[], None]) -> None:
+    def submit(self, job: Callable[[], None], key: object = None) -> None:
         with self._ready:
-            if (channel, job) not in self._jobs:  # a write already waiting will write the latest state
-                self._jobs.append((channel, job))
-                self._ready.notify()
+            if key is not None and key in self._keys:
+                return
+            if self._limit is not None and len(self._jobs) >= self._limit:
+                self.dropped += 1
+                return
+            self._jobs.append((key, job))
+            if key is not None:
+                self._keys.add(key)
+            self._ready.notify()
 
     def _run(self) -> None:
         while True:
             with self._ready:
                 while not self._jobs:
                     self._ready.wait()
-                _, job = self._jobs.popleft()
+                key, job = self._jobs.popleft()
+                self._keys.discard(key)
                 self._running = True
-            try:
-                job()
-            except OSError as exc:
-                error: str | None = exc.strerror or type(exc).__name__
-            else:
-                error = None
+            job()
             with self._ready:
                 self._running = False
                 self._ready.notify_all()
-            if error != self._said:  # once per kind of failure, and once when it works again
-                self._said = error
-                self._say(f"cannot write ledger records: {error}" if error else "ledger records are written again")
 
     def drain(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for the jobs submitted so far to be done."""
         give_up_at = time.monotonic() + timeout
         with self._ready:
             while (self._jobs or self._running) and time.monotonic() < give_up_at:
@@ -225,8 +189,9 @@ class Guard:
         self.drain = drain
         self.heartbeat = heartbeat
         self.loop = WatchLoop(self._ended)
-        self.lines = _Lines()
-        self._writer = _LedgerWriter(self.lines.say) if ledger is not None else None
+        self._stderr = _SerialWorker("swe-flush-guard-stderr", limit=MAX_QUEUED_LINES)
+        self._writer = _SerialWorker("swe-flush-guard-ledger") if ledger is not None else None
+        self._ledger_said: str | None = None
         self._listener: socket.socket | None = None
         self._identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket file we bound
         self._lock_fd: int | None = None
@@ -285,7 +250,7 @@ class Guard:
             raise GuardError(f"the socket's folder {shown(folder)} is owned by uid {info.st_uid}: that user could "
                              "replace the socket; use a folder owned by this user or root")
         if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
-            self.lines.say(f"warning: others may write {shown(folder)} (mode {stat.S_IMODE(info.st_mode):04o}, no "
+            self.say(f"warning: others may write {shown(folder)} (mode {stat.S_IMODE(info.st_mode):04o}, no "
                            "sticky bit): they could replace the socket; trainers check who listens before they "
                            "send anything")
 
@@ -345,7 +310,7 @@ class Guard:
             conn.close()
             return
         if uid not in (os.geteuid(), 0):
-            self.lines.say(f"refused a connection from uid {uid} (pid {pid}): only uid {os.geteuid()} and root may "
+            self.say(f"refused a connection from uid {uid} (pid {pid}): only uid {os.geteuid()} and root may "
                            "connect")
             conn.close()
             return
@@ -357,7 +322,25 @@ class Guard:
         os.set_blocking(fd, False)
         self.loop.add(Channel(fd, fd, pid, strict=True, ledger=self.ledger, heartbeat=self.heartbeat,
                               check=functools.partial(self._checked, pid=pid, said=[]), status=self._status,
-                              ledger_io=self._writer.submit if self._writer is not None else None))
+                              ledger_io=self._ledger_io))
+
+    def say(self, line: str) -> None:
+        """One line on stderr, written off the loop's thread."""
+        dropped, self._stderr.dropped = self._stderr.dropped, 0
+        if dropped:
+            line = f"({dropped} earlier lines dropped: stderr was not read) {line}"
+        self._stderr.submit(functools.partial(_say, f"swe-flush guard: {line}"))
+
+    def _ledger_io(self, channel: Channel, job: Callable[[], None]) -> None:
+        """A record write or removal, on the ledger's thread; its failures said once per kind."""
+        assert self._writer is not None  # only channels of a guard with a ledger have records
+        self._writer.submit(functools.partial(self._record_io, job), key=(channel, job))
+
+    def _record_io(self, job: Callable[[], None]) -> None:
+        error = io_error(job)
+        if error != self._ledger_said:  # once per kind of failure, and once when it works again
+            self._ledger_said = error
+            self.say(f"cannot write ledger records: {error}" if error else "ledger records are written again")
 
     def _drop_idle(self) -> bool:
         """End the oldest connection that has handed no state over; False when every peer holds a trainer."""
@@ -367,7 +350,7 @@ class Guard:
                 self._dropped_idle += 1
                 if time.monotonic() - self._said_dropped_at >= SAY_EVERY:
                     self._said_dropped_at = time.monotonic()
-                    self.lines.say(f"{self._dropped_idle} idle connection(s) dropped: the peer limit "
+                    self.say(f"{self._dropped_idle} idle connection(s) dropped: the peer limit "
                                    f"({self.max_peers}) was reached")
                     self._dropped_idle = 0
                 return True
@@ -390,7 +373,7 @@ class Guard:
         state, dropped = checked_state(state)
         if dropped and not said:  # once per connection
             said.append("options")
-            self.lines.say(f"trainer pid {pid} sent options this guard does not know, dropped: "
+            self.say(f"trainer pid {pid} sent options this guard does not know, dropped: "
                            f"{shown(', '.join(dropped))} (upgrade the guard)")
         return state
 
@@ -405,7 +388,7 @@ class Guard:
         with contextlib.suppress(OSError):
             os.close(channel.read_fd)
         if channel.error is not None:
-            self.lines.say(f"dropped the connection of pid {channel.trainer_pid}: it sent {channel.error}")
+            self.say(f"dropped the connection of pid {channel.trainer_pid}: it sent {channel.error}")
             channel.settle(None)
         elif channel.disarmed or channel.state is None:
             channel.settle(None)
@@ -431,7 +414,7 @@ class Guard:
                     channel.settle(report)
                     if report is not None:
                         again = f" (attempt {attempt})" if attempt > 1 else ""
-                        self.lines.say(f"{who} gone; {report.summary()}{again}")
+                        self.say(f"{who} gone; {report.summary()}{again}")
                     return
                 pairs = _failed_pairs(report)
                 why = report.summary()
@@ -439,7 +422,7 @@ class Guard:
                 channel.mark_gone()
             if time.monotonic() - said_at >= SAY_EVERY:
                 said_at = time.monotonic()
-                self.lines.say(f"{who} gone; {why}; retrying every {delay:g}-{RETRY_MAX:g} s until it is flushed")
+                self.say(f"{who} gone; {why}; retrying every {delay:g}-{RETRY_MAX:g} s until it is flushed")
             time.sleep(delay)
             delay = min(delay * 2, RETRY_MAX)
 
@@ -470,7 +453,7 @@ class Guard:
             self._lock_fd = None
         if self._writer is not None:
             self._writer.drain(1.0)
-        self.lines.drain(1.0)
+        self._stderr.drain(1.0)
 
     def serve(self) -> int:
         """Serve until ``stop()``; then drain. 0 when it ended on its own terms."""
@@ -487,7 +470,7 @@ class Guard:
                     left = self._stopping_since + self.drain - time.monotonic()
                     if left <= 0:
                         pids = ", ".join(str(channel.trainer_pid) for channel in held) or "none"
-                        self.lines.say(f"drain time ({self.drain:g} s) is up; left unguarded: trainers {pids}"
+                        self.say(f"drain time ({self.drain:g} s) is up; left unguarded: trainers {pids}"
                                        f"{'; flushes still running' if self._flushes else ''}")
                         return 0
                     timeout = min(left, 0.1)  # also notice flushes that end
@@ -502,7 +485,7 @@ class Guard:
         trainers of a guard that restarted reconnect meanwhile), then every interval."""
         said_no_server = not resolve_server_urls(os.environ)
         if said_no_server:  # said at once, not after the grace
-            self.lines.say(f"cannot recover the ledger: no agent server named ({' and '.join(URL_ENV_VARS)} unset); "
+            self.say(f"cannot recover the ledger: no agent server named ({' and '.join(URL_ENV_VARS)} unset); "
                            "guarding goes on")
         self._stop.wait(TAKEOVER_GRACE)
         options = FlushOptions(until_idle=True, linger=0.0)
@@ -512,9 +495,9 @@ class Guard:
             except ConfigError as exc:
                 if not said_no_server:
                     said_no_server = True
-                    self.lines.say(f"cannot recover the ledger: {exc}; guarding goes on")
+                    self.say(f"cannot recover the ledger: {exc}; guarding goes on")
             except Exception as exc:  # noqa: BLE001 - a recover that fails must not stop the guard
-                self.lines.say(f"recovering the ledger failed: {type(exc).__name__}")
+                self.say(f"recovering the ledger failed: {type(exc).__name__}")
             self._stop.wait(RECOVER_INTERVAL)
 
     def _judge(self, record: Record, gone: bool) -> bool:

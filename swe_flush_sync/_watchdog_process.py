@@ -392,12 +392,7 @@ class Channel:
         if self._ledger_io is not None:
             self._ledger_io(self, job)
             return
-        try:
-            job()
-        except OSError as exc:
-            error: str | None = exc.strerror or type(exc).__name__
-        else:
-            error = None
+        error = io_error(job)
         if error != self._ledger_error:
             self._ledger_error = error
             self.tell(LEDGER + b" " + (b"ok" if error is None else error.encode("utf-8", "replace")))
@@ -432,6 +427,15 @@ class Channel:
         """Remove the record after a flush that succeeded (or nothing to flush, or a disarm)."""
         if self.ledger is not None and (report is None or report.ok):
             self._run_ledger_io(self.ledger.remove)
+
+
+def io_error(job: Callable[[], None]) -> str | None:
+    """Run the file I/O ``job``; why it failed (the ``OSError``'s text), or None when it did not."""
+    try:
+        job()
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return None
 
 
 def _positive(value: Any, default: float) -> float:
