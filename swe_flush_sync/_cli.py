@@ -1,4 +1,5 @@
-"""The ``swe-flush`` command line: flush instances from a shell, ``demo``, ``stub``, ``recover``, ``guard``.
+"""The ``swe-flush`` command line: flush instances from a shell, ``demo``, ``stub``, ``recover``, ``guard``,
+``doctor``.
 
 Exit codes: 0 all flushed or nothing to do; 1 some target failed; 2 usage or configuration
 error (one line on stderr, or one JSON object with ``--json``; no traceback); 130 interrupted
@@ -58,6 +59,7 @@ USAGE = """swe-flush [--url URL]... [--id ID]... [--ids-json PATH|-] [--secret-f
                              [--ca-bundle PATH] [--client-cert PATH [--client-key PATH]]
                              [--deadline S] [--workers N] [--retries N] [--json] [-q | -v]
        swe-flush guard --socket PATH [--ledger DIR] [--drain S] [--heartbeat S] [-v] | --socket PATH --status
+       swe-flush doctor [--url URL]... [--guard PATH] [--ledger DIR] [--ca-bundle PATH] [--client-cert PATH] [--json]
        swe-flush stub [--host H] [--port P] [--teardown S] [--max-concurrent N] [--secret-env VAR]"""
 EXIT_INTERRUPTED = 130
 _OPTION_FLAGS = {"servers": "--url", "max_workers": "--workers", "deadline": "--deadline", "retries": "--retries",
@@ -222,6 +224,34 @@ def _tls_options(ns: argparse.Namespace) -> dict[str, Any]:
     return {"ca_bundle": ns.ca_bundle, "client_cert": client_cert}
 
 
+def _doctor_parser() -> _Parser:
+    parser = _Parser(prog="swe-flush doctor", allow_abbrev=False,
+                     description="Check this trainer's setup before the run: the servers (a /flush of an id that "
+                                 "cannot exist, with the bearer), the guard, the container, the ledger, the limits "
+                                 "and versions. One line per check (ok, warn, fail); exit 1 when any failed. Run it "
+                                 "where the trainer runs, with the trainer's environment.")
+    parser.add_argument("--url", action="append", metavar="URL",
+                        help="an agent server (repeatable; default AGENT_SERVER_URL, else SWE_AGENT_URL)")
+    parser.add_argument("--guard", metavar="PATH", help="the guard's socket (default SWE_FLUSH_GUARD)")
+    parser.add_argument("--ledger", metavar="DIR", help="the ledger directory (default SWE_FLUSH_LEDGER)")
+    _add_tls(parser)
+    parser.add_argument("--json", action="store_true", help='print {"ok": ..., "checks": [...]} instead')
+    return parser
+
+
+def _run_doctor(ns: argparse.Namespace) -> int:
+    from ._doctor import failed, run_checks  # only this command needs it
+
+    checks = run_checks(ns.url, ns.guard, ns.ledger, **_tls_options(ns))
+    if ns.json:
+        print(json.dumps({"ok": not failed(checks), "checks": [
+            {"name": check.name, "status": check.status, "detail": check.detail} for check in checks]}, indent=2))
+    else:
+        for check in checks:
+            print(check.line())
+    return EXIT_FAILED if failed(checks) else EXIT_OK
+
+
 def _stub_parser() -> _Parser:
     parser = _Parser(prog="swe-flush stub", allow_abbrev=False,
                      description="Serve the stub agent server in the foreground until Ctrl-C; "
@@ -239,7 +269,7 @@ def _stub_parser() -> _Parser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``swe-flush`` with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = argv[0] if argv and argv[0] in ("demo", "stub", "recover", "guard") else None
+    command = argv[0] if argv and argv[0] in ("demo", "stub", "recover", "guard", "doctor") else None
     as_json = "--json" in argv
     try:
         if command == "demo":
@@ -250,6 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_recover(_recover_parser().parse_args_naming_unknown(argv[1:]))
         if command == "guard":
             return _run_guard(_guard_parser().parse_args_naming_unknown(argv[1:]))
+        if command == "doctor":
+            return _run_doctor(_doctor_parser().parse_args_naming_unknown(argv[1:]))
         return _run_flush(_flush_parser().parse_args_naming_unknown(argv))
     except (_UsageError, FlushError) as exc:
         message = _name_flags(str(exc))

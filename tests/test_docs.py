@@ -191,7 +191,8 @@ def test_the_configuration_page_lists_every_variable_the_code_reads() -> None:
     rows = [line for line in page.splitlines() if line.startswith("| `")]
     listed = {name for row in rows for name in re.findall(r"`([A-Z][A-Z0-9_]+)`", row.split(" | ")[0])}
     assert listed == read
-    sources = "".join(path.read_text() for path in (REPO / "swe_flush_sync").glob("*.py"))
+    package = Path(_resolve.__file__).parent  # the package under test: the checkout, or an installed wheel
+    sources = "".join(path.read_text() for path in package.glob("*.py"))
     constants = set(re.findall(r"^([A-Z_]*ENV_VARS?): Final = ", sources, re.MULTILINE))
     assert constants == {"URL_ENV_VARS", "SECRET_ENV_VARS", "RUN_SECRET_ENV_VAR", "CA_BUNDLE_ENV_VARS",
                          "LEDGER_ENV_VAR", "GUARD_ENV_VAR"}  # a new one fails here until it is listed above
