@@ -29,6 +29,7 @@ from ._auth import StaticBearer
 from ._errors import ConfigError, FlushError
 from ._flusher import Flusher
 from ._guard import DEFAULT_DRAIN, guard_status, run_guard
+from ._guard_metrics import parse_address
 from ._ledger import recover
 from ._lifecycle import abort
 from ._options import DEFAULT_DEADLINE
@@ -58,7 +59,8 @@ USAGE = """swe-flush [--url URL]... [--id ID]... [--ids-json PATH|-] [--secret-f
        swe-flush recover DIR [--url URL]... [--secret-file PATH]
                              [--ca-bundle PATH] [--client-cert PATH [--client-key PATH]]
                              [--deadline S] [--workers N] [--retries N] [--json] [-q | -v]
-       swe-flush guard --socket PATH [--ledger DIR] [--drain S] [--heartbeat S] [-v] | --socket PATH --status
+       swe-flush guard --socket PATH [--ledger DIR] [--drain S] [--heartbeat S] [--metrics [HOST:]PORT] [-v]
+       swe-flush guard --socket PATH --status
        swe-flush doctor [--url URL]... [--guard PATH] [--ledger DIR] [--ca-bundle PATH] [--client-cert PATH] [--json]
        swe-flush stub [--host H] [--port P] [--teardown S] [--max-concurrent N] [--secret-env VAR]"""
 EXIT_INTERRUPTED = 130
@@ -182,6 +184,9 @@ def _guard_parser() -> _Parser:
     parser.add_argument("--drain", type=float, default=DEFAULT_DRAIN, metavar="SECONDS",
                         help=f"after SIGTERM or SIGINT, watch the connected trainers this long (default "
                              f"{DEFAULT_DRAIN:g})")
+    parser.add_argument("--metrics", metavar="[HOST:]PORT",
+                        help="serve Prometheus metrics at http://HOST:PORT/metrics (HOST defaults to 127.0.0.1; "
+                             "needs the metrics extra)")
     parser.add_argument("--heartbeat", type=float, default=DEFAULT_HEARTBEAT, metavar="SECONDS",
                         help=f"seconds between two rewrites of a trainer's ledger record (default "
                              f"{DEFAULT_HEARTBEAT:g}); a record is stale after three")
@@ -204,8 +209,9 @@ def _run_guard(ns: argparse.Namespace) -> int:
         raise ConfigError("--drain must be a number of seconds, 0 or more")
     if not 0.1 <= ns.heartbeat <= 3600:
         raise ConfigError("--heartbeat must be a number of seconds from 0.1 to 3600")
+    metrics = parse_address(ns.metrics) if ns.metrics is not None else None
     with _logging_to_stderr(_verbosity(ns.verbose)):
-        return run_guard(ns.socket, ns.ledger, ns.drain, ns.heartbeat)
+        return run_guard(ns.socket, ns.ledger, ns.drain, ns.heartbeat, metrics)
 
 
 def _add_tls(parser: _Parser) -> None:

@@ -39,6 +39,7 @@ from typing import Any, Final, NamedTuple
 
 from ._errors import ConfigError
 from ._guard_client import PEERCRED
+from ._guard_metrics import GuardMetrics
 from ._ledger import Place, Record, recover_with
 from ._options import FlushOptions, RecoverOptionKwargs
 from ._report import FlushReport
@@ -183,7 +184,7 @@ class Guard:
     """The listening socket, the trainers' channels, their records and their flushes."""
 
     def __init__(self, path: str, ledger: str | None = None, drain: float = DEFAULT_DRAIN,
-                 heartbeat: float = DEFAULT_HEARTBEAT) -> None:
+                 heartbeat: float = DEFAULT_HEARTBEAT, metrics: bool = False) -> None:
         self.path = path
         self.ledger = ledger
         self.drain = drain
@@ -204,6 +205,8 @@ class Guard:
         self.max_peers = 0
         self._dropped_idle = 0
         self._said_dropped_at = -SAY_EVERY
+        self._retrying: set[Channel] = set()  # flushes that failed and wait to be retried
+        self.metrics = GuardMetrics(self.trainers, lambda: len(self._retrying)) if metrics else None
 
     # -- starting ------------------------------------------------------------------------
     def bind(self) -> None:
@@ -310,6 +313,8 @@ class Guard:
             conn.close()
             return
         if uid not in (os.geteuid(), 0):
+            if self.metrics is not None:
+                self.metrics.dropped.labels("other_uid").inc()
             self.say(f"refused a connection from uid {uid} (pid {pid}): only uid {os.geteuid()} and root may "
                            "connect")
             conn.close()
@@ -347,6 +352,8 @@ class Guard:
         for channel in self.loop.channels:
             if channel.state is None:
                 self.loop.end(channel)
+                if self.metrics is not None:
+                    self.metrics.dropped.labels("peer_limit").inc()
                 self._dropped_idle += 1
                 if time.monotonic() - self._said_dropped_at >= SAY_EVERY:
                     self._said_dropped_at = time.monotonic()
@@ -389,15 +396,18 @@ class Guard:
             os.close(channel.read_fd)
         if channel.error is not None:
             self.say(f"dropped the connection of pid {channel.trainer_pid}: it sent {channel.error}")
+            if self.metrics is not None:
+                self.metrics.dropped.labels("bad_message").inc()
             channel.settle(None)
         elif channel.disarmed or channel.state is None:
             channel.settle(None)
         else:
-            flusher = threading.Thread(target=self._flush, args=(channel,), name="swe-flush-guard", daemon=True)
+            flusher = threading.Thread(target=self._flush, args=(channel, time.monotonic()), name="swe-flush-guard",
+                                       daemon=True)
             flusher.start()
             self._flushes.append(flusher)
 
-    def _flush(self, channel: Channel) -> None:
+    def _flush(self, channel: Channel, died: float) -> None:
         """One trainer's flush, on a thread of its own, retried with backoff until every pair is
         flushed (``/flush`` is idempotent); meanwhile its record says the trainer is gone."""
         who = f"trainer pid {channel.trainer_pid}"
@@ -409,8 +419,15 @@ class Guard:
                 report = channel.flush(pairs)
             except Exception as exc:  # noqa: BLE001 - one trainer's failure must not stop the guard
                 report, why = None, f"the flush failed: {type(exc).__name__}"
+                if self.metrics is not None:
+                    self.metrics.flushed(None)
             else:
+                if self.metrics is not None and report is not None:
+                    self.metrics.flushed(report)
                 if report is None or report.ok:
+                    self._retrying.discard(channel)
+                    if self.metrics is not None and report is not None:
+                        self.metrics.death_to_flush.observe(time.monotonic() - died)
                     channel.settle(report)
                     if report is not None:
                         again = f" (attempt {attempt})" if attempt > 1 else ""
@@ -420,6 +437,7 @@ class Guard:
                 why = report.summary()
             if attempt == 1:
                 channel.mark_gone()
+                self._retrying.add(channel)
             if time.monotonic() - said_at >= SAY_EVERY:
                 said_at = time.monotonic()
                 self.say(f"{who} gone; {why}; retrying every {delay:g}-{RETRY_MAX:g} s until it is flushed")
@@ -491,7 +509,8 @@ class Guard:
         options = FlushOptions(until_idle=True, linger=0.0)
         while not self._stop.is_set():
             try:
-                recover_with(self.ledger or "", None, os.environ, options, judge=self._judge)
+                recover_with(self.ledger or "", None, os.environ, options, judge=self._judge,
+                             on_claimed=self.metrics.recovered.inc if self.metrics is not None else None)
             except ConfigError as exc:
                 if not said_no_server:
                     said_no_server = True
@@ -545,16 +564,29 @@ def guard_status(path: str) -> GuardStatus | None:
     return GuardStatus(int(numbers[0]), int(numbers[1]), draining)
 
 
-def run_guard(path: str, ledger: str | None, drain: float, heartbeat: float = DEFAULT_HEARTBEAT) -> int:
-    """``swe-flush guard``: bind, say ``guarding PATH``, serve until SIGTERM or SIGINT, drain; the exit code."""
-    guard = Guard(path, ledger, drain, heartbeat)
+def run_guard(path: str, ledger: str | None, drain: float, heartbeat: float = DEFAULT_HEARTBEAT,
+              metrics: tuple[str, int] | None = None) -> int:
+    """``swe-flush guard``: bind, say ``guarding PATH``, serve until SIGTERM or SIGINT, drain; the exit code.
+
+    Raises:
+        ConfigError: ``metrics`` asked for without the ``metrics`` extra.
+    """
+    guard = Guard(path, ledger, drain, heartbeat, metrics=metrics is not None)
     try:
         guard.bind()
+        where = ""
+        if metrics is not None and guard.metrics is not None:
+            try:
+                port = guard.metrics.serve(*metrics)
+            except OSError as exc:
+                raise GuardError(f"--metrics: cannot listen on {metrics[0]}:{metrics[1]}: {exc.strerror or exc}") \
+                    from None
+            where = f", metrics on http://{metrics[0]}:{port}/metrics"
     except GuardError as exc:
         print(f"swe-flush guard: error: {exc}", file=sys.stderr)
         guard.close()
         return 2
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda signum, frame: guard.stop())
-    print(f"guarding {path} (pid {os.getpid()})", flush=True)
+    print(f"guarding {path} (pid {os.getpid()}){where}", flush=True)
     return guard.serve()

@@ -390,8 +390,10 @@ def recover(ledger: str, *, servers: str | Iterable[str] | None = None, environ:
 
 
 def recover_with(ledger: str, servers: str | Iterable[str] | None, environ: Mapping[str, str] | None,
-                 flush_options: FlushOptions, judge: Judge | None = None) -> FlushReport:
-    """``recover`` with its options built, and ``judge`` deciding which records are gone (a guard's)."""
+                 flush_options: FlushOptions, judge: Judge | None = None,
+                 on_claimed: Callable[[int], None] | None = None) -> FlushReport:
+    """``recover`` with its options built, ``judge`` deciding which records are gone and
+    ``on_claimed`` told how many records were claimed (a guard's)."""
     if not isinstance(ledger, str) or not ledger.strip() or "\0" in ledger:
         raise ConfigError("ledger must be a directory path (a non-empty str)")
     env = os.environ if environ is None else environ
@@ -413,6 +415,8 @@ def recover_with(ledger: str, servers: str | Iterable[str] | None, environ: Mapp
     except OSError as exc:
         return _logged(FlushReport(elapsed=time.monotonic() - started,
                                    error=f"the ledger cannot be read: {exc.strerror or type(exc).__name__}"))
+    if on_claimed is not None and claimed:
+        on_claimed(len(claimed))
     if not claimed:
         return _logged(FlushReport(elapsed=time.monotonic() - started, error=book.skipped())) if book.skipped() \
             else FlushReport(elapsed=time.monotonic() - started)
