@@ -553,8 +553,8 @@ class Watchdog:
             _unsaid.append(warning)
 
     def _rearm(self) -> None:
-        """Start a new watchdog process for a lost one, or reconnect to the guard (by ``abort``, and for
-        a guard by ``refresh``); a guard at most once a second, a process at most once a minute after a failure."""
+        """Start a new watchdog process for a lost one (by ``abort``; at most once a minute after a
+        failure), or try the guard once more (the follower thread retries every 0.1 s meanwhile)."""
         if time.monotonic() < self._rearm_after:
             return
         ended = self.pid
