@@ -254,8 +254,8 @@ class Guard:
                              "replace the socket; use a folder owned by this user or root")
         if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
             self.say(f"warning: others may write {shown(folder)} (mode {stat.S_IMODE(info.st_mode):04o}, no "
-                           "sticky bit): they could replace the socket; trainers check who listens before they "
-                           "send anything")
+                     "sticky bit): they could replace the socket; trainers check who listens before they "
+                     "send anything")
 
     def _take_lock(self) -> None:
         """``flock`` on ``PATH.lock`` for the guard's life: the second guard on a path exits, however busy the first."""
@@ -316,7 +316,7 @@ class Guard:
             if self.metrics is not None:
                 self.metrics.dropped.labels("other_uid").inc()
             self.say(f"refused a connection from uid {uid} (pid {pid}): only uid {os.geteuid()} and root may "
-                           "connect")
+                     "connect")
             conn.close()
             return
         if len(self.loop.channels) >= self.max_peers and not self._drop_idle():
@@ -358,7 +358,7 @@ class Guard:
                 if time.monotonic() - self._said_dropped_at >= SAY_EVERY:
                     self._said_dropped_at = time.monotonic()
                     self.say(f"{self._dropped_idle} idle connection(s) dropped: the peer limit "
-                                   f"({self.max_peers}) was reached")
+                             f"({self.max_peers}) was reached")
                     self._dropped_idle = 0
                 return True
         return False
@@ -381,7 +381,7 @@ class Guard:
         if dropped and not said:  # once per connection
             said.append("options")
             self.say(f"trainer pid {pid} sent options this guard does not know, dropped: "
-                           f"{shown(', '.join(dropped))} (upgrade the guard)")
+                     f"{shown(', '.join(dropped))} (upgrade the guard)")
         return state
 
     def _status(self) -> bytes:
@@ -405,7 +405,7 @@ class Guard:
             flusher = threading.Thread(target=self._flush, args=(channel, time.monotonic()), name="swe-flush-guard",
                                        daemon=True)
             flusher.start()
-            self._flushes.append(flusher)
+            self._flushes = [*(other for other in self._flushes if other.is_alive()), flusher]
 
     def _flush(self, channel: Channel, died: float) -> None:
         """One trainer's flush, on a thread of its own, retried with backoff until every pair is
@@ -489,7 +489,7 @@ class Guard:
                     if left <= 0:
                         pids = ", ".join(str(channel.trainer_pid) for channel in held) or "none"
                         self.say(f"drain time ({self.drain:g} s) is up; left unguarded: trainers {pids}"
-                                       f"{'; flushes still running' if self._flushes else ''}")
+                                 f"{'; flushes still running' if self._flushes else ''}")
                         return 0
                     timeout = min(left, 0.1)  # also notice flushes that end
                 self.loop.run_once(timeout)
@@ -504,7 +504,7 @@ class Guard:
         said_no_server = not resolve_server_urls(os.environ)
         if said_no_server:  # said at once, not after the grace
             self.say(f"cannot recover the ledger: no agent server named ({' and '.join(URL_ENV_VARS)} unset); "
-                           "guarding goes on")
+                     "guarding goes on")
         self._stop.wait(TAKEOVER_GRACE)
         options = FlushOptions(until_idle=True, linger=0.0)
         while not self._stop.is_set():
