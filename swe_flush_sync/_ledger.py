@@ -393,7 +393,7 @@ def recover_with(ledger: str, servers: str | Iterable[str] | None, environ: Mapp
                  flush_options: FlushOptions, judge: Judge | None = None,
                  on_claimed: Callable[[int], None] | None = None) -> FlushReport:
     """``recover`` with its options built, ``judge`` deciding which records are gone and
-    ``on_claimed`` told how many records were claimed (a guard's)."""
+    ``on_claimed`` told how many records were claimed, once they are flushed and settled (a guard's)."""
     if not isinstance(ledger, str) or not ledger.strip() or "\0" in ledger:
         raise ConfigError("ledger must be a directory path (a non-empty str)")
     env = os.environ if environ is None else environ
@@ -415,8 +415,6 @@ def recover_with(ledger: str, servers: str | Iterable[str] | None, environ: Mapp
     except OSError as exc:
         return _logged(FlushReport(elapsed=time.monotonic() - started,
                                    error=f"the ledger cannot be read: {exc.strerror or type(exc).__name__}"))
-    if on_claimed is not None and claimed:
-        on_claimed(len(claimed))
     if not claimed:
         return _logged(FlushReport(elapsed=time.monotonic() - started, error=book.skipped())) if book.skipped() \
             else FlushReport(elapsed=time.monotonic() - started)
@@ -424,6 +422,8 @@ def recover_with(ledger: str, servers: str | Iterable[str] | None, environ: Mapp
         flush_options = dataclasses.replace(flush_options, bearer=resolve_bearer(env))
     report = _flush_records([record for _, record in claimed], flush_options)
     set_aside = book.settle(claimed, report)
+    if on_claimed is not None:
+        on_claimed(len(claimed))  # after the flush and the records settled
     skipped = book.skipped()
     return _logged(FlushReport(results=report.results, elapsed=time.monotonic() - started,
                                error="; ".join([*set_aside, *([skipped] if skipped else [])]) or None))

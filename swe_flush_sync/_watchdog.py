@@ -654,9 +654,11 @@ def watchdog(args: Any, *, guard: str | None = None, environ: Mapping[str, str] 
     With ``guard`` (or ``SWE_FLUSH_GUARD``), the watchdog is a ``swe-flush guard`` outside the
     container, reached over its Unix socket: the end of this connection flushes, so a death that
     takes the whole container (PID 1 dying, a group OOM kill) is covered too. Arming waits up to
-    10 s for the socket; if the guard goes away, ``armed`` turns False and the next ``refresh()``
-    or ``abort(args)`` reconnects (at most once a second). A guard asked for never falls back to
-    a local process.
+    10 s for the socket. Before it sends anything, the trainer checks who listens there
+    (``SO_PEERCRED``): only a guard of this uid or root is trusted. If the guard goes away,
+    ``armed`` turns False, and a daemon thread reconnects as soon as its socket is back (it
+    tries every 0.1 s) and hands the last state over again. A guard asked for never falls back
+    to a local process.
 
     Servers and bearers are read from ``environ`` like ``abort`` does; the ids from ``args``.
     Hand changed ids over with ``Watchdog.refresh()`` or any ``abort(args)`` (the same ``args``
@@ -675,8 +677,11 @@ def watchdog(args: Any, *, guard: str | None = None, environ: Mapping[str, str] 
         The armed ``Watchdog``; the same one when called again for the same ``args``.
 
     Raises:
-        ConfigError: a bad option, bad ``args``, a bad ``guard`` path, or no agent server configured.
-        FlushError: the watchdog process could not be started, or no guard answered in 10 s.
+        ConfigError: a bad option, bad ``args``, a bad ``guard`` path, no agent server configured,
+            or more than 100,000 ids.
+        FlushError: the watchdog process could not be started; no guard answered in 10 s; the
+            socket is served by another uid (nothing was sent); the guard refused the state
+            (the message says why) or speaks an older protocol.
 
     Example:
         >>> guard = watchdog(args, deadline=30)
