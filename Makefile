@@ -1,6 +1,8 @@
 # Each target makes its own virtualenv (.venv) with python3 first, so a fresh machine needs
 # nothing but python3 and make.
 PYTHON ?= python3
+# The Python the built wheel is tested on (make dist); CI picks 3.12 so that each Python runs once.
+WHEEL_PYTHON ?= $(PYTHON)
 VENV := .venv
 BIN := $(VENV)/bin
 DEPS := setup.cfg setup.py pyproject.toml
@@ -80,7 +82,7 @@ dist: $(VENV)/.installed-release
 	$(BIN)/twine check --strict dist/*
 	$(BIN)/python .ci/check_long_description.py dist/*.whl
 	$(BIN)/check-wheel-contents dist/*.whl
-	$(PYTHON) -m venv build/wheel-test/venv
+	PATH="$(PYENV_BINS)$$PATH" $(WHEEL_PYTHON) -m venv build/wheel-test/venv
 	build/wheel-test/venv/bin/python -m pip install --quiet --disable-pip-version-check "$$(ls dist/*.whl)[test,contract]"
 	mkdir -p build/wheel-test/run
 	cp -r tests docs README.md CHANGELOG.md setup.cfg build/wheel-test/run/
