@@ -33,7 +33,7 @@ from ._logs import WORKER_THREAD_PREFIX, log_report, urllib3_silenced
 from ._options import DEFAULT_DEADLINE, FlushOptions
 from ._report import FlushReport
 from ._resolve import URL_ENV_VARS, resolve_bearer, resolve_instance_ids, resolve_server_urls
-from ._watchdog import disarm_flushed, refresh_watchdogs, warn_lost_watchdogs
+from ._watchdog import disarm_flushed, hand_over_to_watchdogs, warn_lost_watchdogs
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -181,9 +181,11 @@ class _Standby:
             wait([future], timeout)
 
     def forget_after_fork(self) -> None:
-        """In a forked child the parent's threads are gone (more start on demand while hooks hold them)."""
+        """In a forked child the parent's threads are gone, and so are its hooks' holds: the hooks a
+        child inherits flush nothing there (a hook the child installs holds threads anew)."""
         self._tasks = queue.SimpleQueue()
         self._threads = 0
+        self._holders = 0
 
 
 _standby = _Standby()
@@ -193,8 +195,8 @@ def _abort_report(args: Any, environ: Mapping[str, str] | None, options: FlushOp
                   *, hook: bool) -> FlushReport:
     """The report of one abort; never raises, never logs. ``hook``: a signal or exit hook (standby threads)."""
     started = time.monotonic()
+    hand_over_to_watchdogs(args, rearm=not hook)  # first: a death during this flush leaves the watchdog the ids
     try:
-        refresh_watchdogs(args, rearm=not hook)  # first: a death during this flush leaves the watchdog the ids
         env = os.environ if environ is None else environ
         urls = resolve_server_urls(env)
         if not urls:
@@ -334,12 +336,16 @@ class SignalHook:
         self._flushing = False
         self._flushed = False
         self._holding = True  # the standby threads, held since flush_on_signal started them
+        self._pid = os.getpid()  # the process it belongs to: a forked child inherits it, and it flushes nothing there
         for signum in signals:
             self._previous[signum] = signal.signal(signum, self._handle)
         if not register_at_thread_exit(self._disarm_at_exit):
             atexit.register(self._disarm_at_exit)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != self._pid:  # a forked child (a data loader): the parent's ids are not its to flush
+            self._hand_over(signum, frame)
+            return
         if not self._flushed:
             if self._flushing:
                 return  # a second signal during the flush: the first one hands over
@@ -354,7 +360,7 @@ class SignalHook:
         self._hand_over(signum, frame)
 
     def _let_go(self) -> None:
-        if self._holding:
+        if self._holding and os.getpid() == self._pid:
             self._holding = False
             _standby.let_go()
 
@@ -366,7 +372,7 @@ class SignalHook:
             previous(signum, frame)
             return
         # SIG_DFL, or a handler not set from Python: die of the signal, as the scheduler expects
-        if self.report is not None:
+        if self.report is not None and os.getpid() == self._pid:
             disarm_flushed(self.report)  # the process ends now: the watchdog must not flush these pairs again
         signal.signal(signum, signal.SIG_DFL)
         signal.raise_signal(signum)
@@ -375,7 +381,7 @@ class SignalHook:
         """The process survived the signal (a graceful-stop handler, ``SIG_IGN``) and now ends: the
         watchdog, kept armed meanwhile for a SIGKILL at the end of a grace period, need not flush the
         pairs the signal flushed, unless an ``abort`` since says the trainer went on."""
-        if self.report is not None and _State.flushed_on_signal:
+        if self.report is not None and _State.flushed_on_signal and os.getpid() == self._pid:
             disarm_flushed(self.report)
 
     @property
@@ -450,13 +456,14 @@ class ExitHook:
         self._environ = environ
         self._options = options
         self._done = False
+        self._pid = os.getpid()  # the process it belongs to: a forked child's exit flushes nothing
         # When the main thread ends, before atexit and before the program's non-daemon threads are joined.
         self._at_thread_exit = register_at_thread_exit(self._run)
         if not self._at_thread_exit:
             atexit.register(self._run)
 
     def _run(self) -> None:
-        if self._done or _State.flushed_on_signal:
+        if self._done or _State.flushed_on_signal or os.getpid() != self._pid:
             return
         self._done = True
         self.report = _hook_flush(self._args, self._environ, self._options)
@@ -467,7 +474,8 @@ class ExitHook:
         """Turn the exit flush off (idempotent)."""
         if not self._done:
             self._done = True
-            _standby.let_go()
+            if os.getpid() == self._pid:
+                _standby.let_go()
         if not self._at_thread_exit:
             atexit.unregister(self._run)
 

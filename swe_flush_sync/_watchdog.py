@@ -6,7 +6,12 @@ over a pipe (or socket) only the trainer holds, and again when they change (``re
 ``abort`` does it too, and re-arms one that ended). The watchdog confirms each state it holds
 whole. A forked child closes its copies at once, so it never hides the trainer's death. The exit
 hook, and a signal hook when the process dies of its signal, disarm the watchdogs whose pairs
-they flushed, so each pair is flushed once. No lock is held while user code runs.
+they flushed, so each pair is flushed once.
+
+Threads: every read and write of a link's buffers and ends happens under ``_lock``, which is never
+held while user code runs or while a thread waits. One thread at a time reads a link's answers
+(its reader: the guard's follower thread, or a thread waiting for a word); the others wait on
+``_heard``, which the reader notifies whenever it hears something, loses the link or stops reading.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 from . import _watchdog_process
@@ -59,6 +64,7 @@ REFUSED_RETRY: Final = 5.0  # seconds before the follower offers a refused state
 # logging) runs, so a signal hook never waits on it for long. Re-entrant: a signal hook may run
 # while the main thread holds it.
 _lock = threading.RLock()
+_heard = threading.Condition(_lock)  # notified when a link's reader heard a word, lost the link or stopped reading
 # Held while pipe ends exist that no Watchdog has taken yet; os.fork() waits for it (at-fork hook),
 # so a child forked by another thread meanwhile never keeps a write end open.
 _fork_lock = threading.RLock()
@@ -134,6 +140,7 @@ class Watchdog:
         self._control: _Fd | None = None  # write end of the control pipe (or the guard's socket): only we hold it
         self._ready: _Fd | None = None  # read end of the ready pipe (or the socket): its word, end-of-file at its end
         self._inbox = b""  # a line of the watchdog's not read whole yet
+        self._reader: int | None = None  # the thread that reads the watchdog's answers now (see _await)
         self._token = secrets.token_hex(16)  # names this trainer to a guard across reconnects and restarts
         self._guard_protocol = _watchdog_process.PROTOCOL  # what the guard said in its last "held"
         self._refused: str | None = None  # why the guard refused the state last queued
@@ -171,8 +178,17 @@ class Watchdog:
 
         Raises:
             ConfigError: ``args`` or the environment holds a bad value.
-            FlushError: the guard refused this state (the message says why).
+            FlushError: the guard refused this state (the message says why), or handing it over
+                failed in an unexpected way (the message names the exception).
         """
+        try:
+            return self._refresh()
+        except (ConfigError, FlushError):
+            raise
+        except Exception as exc:  # the documented contract: nothing else reaches the caller
+            raise FlushError(f"the watchdog could not be handed the state: unexpected {type(exc).__name__}") from exc
+
+    def _refresh(self) -> bool:
         payload, pairs = self._state()  # user code: no lock held
         written, held = self._written, self._held
         if self.guard is not None and not self._disarmed:
@@ -230,9 +246,10 @@ class Watchdog:
             self._outbox[:] = (_END_CUT_LINE if self._cut else b"") + _DISARM  # replaces any state not yet sent
             alive = self._talk()
             if alive and self._outbox and self.guard is None and self.pid:  # it must not flush later
-                os.kill(self.pid, signal.SIGKILL)  # still ours: its end of the ready pipe is open
+                with contextlib.suppress(OSError):
+                    os.kill(self.pid, signal.SIGKILL)  # still ours: its end of the ready pipe is open
         if alive and self._outbox and self.guard is not None:  # a busy guard: a moment to read it
-            self._confirm(SEND_TIMEOUT)
+            self._await(lambda: not self._outbox, SEND_TIMEOUT)  # no lock held meanwhile
         with _lock:
             self._close()
 
@@ -274,14 +291,17 @@ class Watchdog:
         self._outbox[:] = (_END_CUT_LINE if self._cut else b"") + message
 
     def _talk(self) -> bool:
-        """Read what the watchdog said and write what the pipe takes, without blocking; False when lost."""
+        """Read what the watchdog said (unless another thread is the link's reader) and write what the
+        pipe takes, without blocking; False when lost. Called with ``_lock`` held."""
         if self._control is None or self._ready is None:
             return False
         try:
-            self._read_word(self._ready)
+            if self._reader in (None, threading.get_ident()):
+                self._read_word(self._ready)
             self._write_outbox(self._control)
         except _Lost:
             self._forget_lost()
+            _heard.notify_all()
             return False
         return True
 
@@ -304,6 +324,8 @@ class Watchdog:
         *lines, self._inbox = self._inbox.split(b"\n")
         for line in lines:  # before a loss is raised: a guard says why it refused, then closes
             self._hear(line)
+        if lines:
+            _heard.notify_all()
         if ended:
             raise _Lost
 
@@ -343,20 +365,45 @@ class Watchdog:
 
     def _confirm(self, timeout: float) -> bool:
         """Wait up to ``timeout`` for the outbox to be written and the newest state held; True if it is."""
+        return self._await(lambda: self._held == self._seq and not self._outbox, timeout)
+
+    def _await(self, satisfied: Callable[[], bool], timeout: float) -> bool:
+        """Talk until ``satisfied()`` (checked under the lock), the link is lost, or ``timeout`` passes;
+        True when satisfied. Never holds the lock while it waits.
+
+        One thread at a time is the link's reader: it polls the ready end and reads what comes. Every
+        other thread waits on ``_heard`` (the reader notifies it), or polls the control end alone while
+        the outbox waits for room; none races the reader for the same bytes, so no word is missed.
+        """
+        me = threading.get_ident()
         give_up_at = time.monotonic() + timeout
-        while True:
-            with _lock:
-                if not self._talk():
+        reading = False
+        try:
+            while True:
+                with _lock:
+                    if self._reader is None:
+                        self._reader, reading = me, True
+                    if not self._talk():
+                        return False
+                    if satisfied():
+                        return True
+                    left = give_up_at - time.monotonic()
+                    if left <= 0:
+                        return False
+                    if self._reader != me and not self._outbox:
+                        _heard.wait(left)  # the reader hears for us
+                        continue
+                    assert self._control is not None and self._ready is not None  # _talk() says so
+                    ready = self._ready.fd if self._reader == me else None
+                    control = self._control.fd if self._outbox else None
+                if not _wait_for(ready, control, left):  # closed meanwhile by disarm() in another thread
                     return False
-                if self._held == self._seq and not self._outbox:
-                    return True
-                assert self._control is not None and self._ready is not None  # _talk() says so
-                ready, control = self._ready.fd, self._control.fd if self._outbox else None
-            left = give_up_at - time.monotonic()
-            if left <= 0:
-                return False
-            if not _wait_for(ready, control, left):  # closed meanwhile by disarm() in another thread
-                return False
+        finally:
+            if reading:
+                with _lock:
+                    if self._reader == me:
+                        self._reader = None
+                    _heard.notify_all()  # a waiter may take over the reading
 
     def _forget_lost(self) -> None:
         self._lost = True
@@ -412,6 +459,7 @@ class Watchdog:
         with _lock:
             self._control, self._ready, self._lost, self._held, self._inbox = control, ready, False, self._seq, b""
             self._cut = False
+            _heard.notify_all()
 
     def _spawn(self) -> subprocess.Popen[bytes]:
         """Start the watchdog process over two fresh pipes; the trainer's ends become ours."""
@@ -476,7 +524,7 @@ class Watchdog:
         with _lock:
             self._outbox[:] = (_END_CUT_LINE if self._cut else b"") + _DISARM
             self._talk()
-        self._confirm(SEND_TIMEOUT)  # lets the guard read the disarm: it must not flush us later
+        self._await(lambda: not self._outbox, SEND_TIMEOUT)  # the disarm written: it must not flush us later
         with _lock:
             self._close()
         raise FlushError(f"the guard at {shown(self.guard or '')} speaks protocol {self._guard_protocol}, older "
@@ -493,15 +541,20 @@ class Watchdog:
                          daemon=True).start()
 
     def _follow_guard(self, stop: threading.Event) -> None:
+        """The follower thread: it never ends before a disarm, whatever one turn of it meets."""
         while not stop.is_set():
-            with _lock:
-                if self._disarmed:
-                    return
-                ready = self._ready.fd if self._ready is not None and self._talk() else None
-            if ready is not None:
-                _wait_for(ready, None, FOLLOW_INTERVAL)  # its word, or its end (a closed fd: at once)
-                continue
-            self._reconnect(0.0)
+            try:
+                with _lock:
+                    if self._disarmed:
+                        return
+                    connected = self._ready is not None and not self._lost
+                if connected:  # be the link's reader (or wait on it) a while: a word, or the guard's end
+                    self._await(stop.is_set, FOLLOW_INTERVAL)
+                    continue
+                self._reconnect(0.0)
+            except Exception as exc:  # noqa: BLE001 - said once; the trainer must stay guarded
+                self._say_once(f"follower {type(exc).__name__}",
+                               f"the guard follower thread met an unexpected {type(exc).__name__}; it goes on")
             stop.wait(RECONNECT_INTERVAL)
 
     def _reconnect(self, wait: float) -> bool:
@@ -578,6 +631,7 @@ class Watchdog:
         """In a forked child: the child has no watchdog (its copies are closed by the at-fork hook) and
         no follower thread."""
         self._control = self._ready = None
+        self._reader = None
         self._disarmed = True
         self._following = None
         self._reconnecting = threading.Lock()
@@ -586,11 +640,12 @@ class Watchdog:
         return f"Watchdog(pid={self.pid}, armed={self.armed}, ledger={self.ledger!r})"
 
 
-def _wait_for(read_fd: int, write_fd: int | None, timeout: float) -> bool:
+def _wait_for(read_fd: int | None, write_fd: int | None, timeout: float) -> bool:
     """Wait up to ``timeout`` until ``read_fd`` is readable or ``write_fd`` writable (``poll``: any fd
     number); False when a descriptor was closed meanwhile."""
     poller = select.poll()
-    poller.register(read_fd, select.POLLIN)
+    if read_fd is not None:
+        poller.register(read_fd, select.POLLIN)
     if write_fd is not None:
         poller.register(write_fd, select.POLLOUT)
     try:
@@ -723,17 +778,26 @@ def _guard_path(guard: str | None, environ: Mapping[str, str]) -> str | None:
     return path
 
 
-def refresh_watchdogs(args: Any, *, rearm: bool = True) -> None:
+def hand_over_to_watchdogs(args: Any, *, rearm: bool = True) -> None:
     """Hand the current ids of ``args`` to its watchdogs, if any (cheap when unchanged); ``rearm``
-    (``abort``, not the hooks) starts a new process for one found ended."""
+    (``abort``, not the hooks) starts a new process for one found ended. Never raises: whatever goes
+    wrong is said at the next ``abort`` (the flush that follows goes on regardless)."""
+    try:
+        _refresh_watchdogs(args, rearm)
+    except FlushError as exc:  # a watchdog's trouble never costs the flush
+        _unsaid.append(f"the watchdog was not handed this trainer's ids: {exc}")
+    except Exception as exc:  # noqa: BLE001 - as above; the message of an unexpected error could hold anything
+        _unsaid.append(f"the watchdog was not handed this trainer's ids: unexpected {type(exc).__name__}")
+
+
+def _refresh_watchdogs(args: Any, rearm: bool) -> None:
     with _lock:
-        mine = [guard for guard in _watchdogs if guard._args is args]
-    for guard in mine:
-        if guard._lost or not guard._talk():
-            if rearm:
-                guard._rearm()
-            continue
-        guard.refresh()
+        mine = [(keeper, not keeper._lost and keeper._talk()) for keeper in _watchdogs if keeper._args is args]
+    for keeper, alive in mine:
+        if alive:
+            keeper.refresh()
+        elif rearm:
+            keeper._rearm()
 
 
 def warn_lost_watchdogs() -> None:
@@ -747,10 +811,10 @@ def disarm_flushed(report: FlushReport) -> None:
     if not report.ok:
         return
     flushed = {(result.server_url, result.instance_id) for result in report.results}
-    with _lock:
-        for guard in list(_watchdogs):
-            if guard._pairs <= flushed:
-                guard.disarm()
+    with _lock:  # picked under the lock, disarmed outside it: a disarm may wait for a busy guard
+        chosen = [keeper for keeper in _watchdogs if keeper._pairs <= flushed]
+    for keeper in chosen:
+        keeper.disarm()
 
 
 def _before_fork() -> None:
@@ -762,8 +826,9 @@ def _after_fork_in_parent() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _lock, _fork_lock
+    global _lock, _fork_lock, _heard
     _lock = threading.RLock()
+    _heard = threading.Condition(_lock)
     _fork_lock = threading.RLock()
     for end in list(_open_ends):  # the pipes' ends, and any made for a watchdog still arming
         end.close()
