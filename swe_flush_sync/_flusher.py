@@ -31,6 +31,7 @@ from ._logs import WORKER_THREAD_PREFIX, install_urllib3_filter, log_report
 from ._options import FlushOptions, check_seconds
 from ._report import FlushReport, FlushResult
 from ._resolve import normalize_instance_ids, normalize_server_urls
+from ._threads import block_signals
 from ._transport import CancelToken, Transport
 
 if TYPE_CHECKING:
@@ -318,7 +319,8 @@ class Flusher:
 
     def _executor_now(self) -> ThreadPoolExecutor:
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(self._options.workers, thread_name_prefix=WORKER_THREAD_PREFIX)
+            self._executor = ThreadPoolExecutor(self._options.workers, thread_name_prefix=WORKER_THREAD_PREFIX,
+                                                initializer=block_signals)  # the trainer's signals go to its threads
         return self._executor
 
     def warm_up(self) -> None:

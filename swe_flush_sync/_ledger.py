@@ -35,6 +35,7 @@ from ._resolve import (
     resolve_server_urls,
 )
 from ._text import shown
+from ._threads import block_signals
 from ._trust import directory_problem, ownership_problem
 from ._watchdog_process import (
     MAX_STATE_BYTES,
@@ -444,7 +445,7 @@ def _flush_records(records: list[Record], options: FlushOptions) -> FlushReport:
         with Flusher.from_options(urls, options) as flusher:
             return flusher._flush_ids(tuple(ids), options.deadline)  # logged once, by recover
 
-    with ThreadPoolExecutor(len(groups), thread_name_prefix="swe-flush-recover") as pool:
+    with ThreadPoolExecutor(len(groups), thread_name_prefix="swe-flush-recover", initializer=block_signals) as pool:
         reports = list(pool.map(flush_group, groups.keys(), groups.values()))
     results: tuple[FlushResult, ...] = tuple(result for report in reports for result in report.results)
     return FlushReport(results=results)

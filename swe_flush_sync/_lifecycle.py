@@ -33,6 +33,7 @@ from ._logs import WORKER_THREAD_PREFIX, log_report, urllib3_silenced
 from ._options import DEFAULT_DEADLINE, FlushOptions
 from ._report import FlushReport
 from ._resolve import URL_ENV_VARS, resolve_bearer, resolve_instance_ids, resolve_server_urls
+from ._threads import start_daemon_thread
 from ._watchdog import disarm_flushed, hand_over_to_watchdogs, warn_lost_watchdogs
 
 if TYPE_CHECKING:
@@ -142,9 +143,8 @@ class _Standby:
     def keep(self, count: int) -> None:
         """Start threads until ``count`` are there (fewer where none can start)."""
         while self._threads < count:
-            thread = threading.Thread(target=self._serve, name=f"{WORKER_THREAD_PREFIX}-standby", daemon=True)
             try:
-                thread.start()
+                start_daemon_thread(self._serve, name=f"{WORKER_THREAD_PREFIX}-standby")
             except RuntimeError:  # "can't create new thread at interpreter shutdown"
                 return
             self._threads += 1

@@ -36,6 +36,7 @@ from ._guard_client import ImpostorError, connect_to_guard
 from ._options import FlushOptions
 from ._resolve import URL_ENV_VARS, resolve_bearer, resolve_instance_ids, resolve_server_urls
 from ._text import shown
+from ._threads import start_daemon_thread
 from ._trust import directory_problem
 
 if TYPE_CHECKING:
@@ -537,8 +538,7 @@ class Watchdog:
         if self._following is not None:
             return
         self._following = threading.Event()
-        threading.Thread(target=self._follow_guard, args=(self._following,), name="swe-flush-guard-follower",
-                         daemon=True).start()
+        start_daemon_thread(self._follow_guard, args=(self._following,), name="swe-flush-guard-follower")
 
     def _follow_guard(self, stop: threading.Event) -> None:
         """The follower thread: it never ends before a disarm, whatever one turn of it meets."""

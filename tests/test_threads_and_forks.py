@@ -109,7 +109,9 @@ def test_aborts_from_many_threads_through_a_guard_then_a_restart(stub: AgentServ
     stub.clear_requests()
     trainer.proc.kill()
     trainer.death()
-    assert wait_until(lambda: sorted(stub.flushed_ids()) == FINAL_IDS, 5.0), stub.flushed_ids()
+    if not wait_until(lambda: sorted(stub.flushed_ids()) == FINAL_IDS, 5.0):
+        second.proc.kill()
+        raise AssertionError(f"flushed {stub.flushed_ids()}; the new guard said: {second.stderr()}")
 
 
 FORKED = """
