@@ -29,6 +29,7 @@ from ._auth import StaticBearer
 from ._errors import ConfigError, FlushError
 from ._flusher import Flusher
 from ._guard import DEFAULT_DRAIN, guard_status, run_guard
+from ._guard_client import ImpostorError
 from ._guard_metrics import parse_address
 from ._ledger import recover
 from ._lifecycle import abort
@@ -199,7 +200,11 @@ def _guard_parser() -> _Parser:
 
 def _run_guard(ns: argparse.Namespace) -> int:
     if ns.status:
-        answer = guard_status(ns.socket)
+        try:
+            answer = guard_status(ns.socket)
+        except ImpostorError as exc:
+            print(f"not a guard: {exc}")
+            return EXIT_FAILED
         if answer is None:
             print(f"no guard answers at {shown(ns.socket)}")
             return EXIT_FAILED

@@ -5,16 +5,19 @@ group OOM kill takes the cgroup) takes a local watchdog along. The guard runs wh
 container's death does not reach (a sidecar container, a node daemon) and listens on a Unix
 socket; each trainer connects (``watchdog(args, guard=PATH)``) and hands over its state like it
 would over the watchdog's pipe. One connection is one trainer: when it ends without a disarm,
-the guard flushes that trainer's last state on a thread of its own, retrying with backoff until
-every pair is flushed, and goes on serving everyone else. It holds no secret of its own (each
+the guard flushes that trainer's last state on one of a fixed number of flush workers, retrying
+with backoff (retries wait on one heap of due times, not on threads) until every pair is flushed,
+the record is no longer its own (a ``recover`` claimed it) or ``RETRY_GIVE_UP`` passes, and goes
+on serving everyone else. It holds no secret of its own (each
 trainer hands over its bearers, kept in memory only).
 
 The walls around it: exactly one guard per path (``flock`` on ``PATH.lock``, held for life);
 only this uid and root may connect (``SO_PEERCRED``); what one peer sends can end that peer's
 connection and nothing else (states are checked whole before ``held``, input is bounded per
 line and over all peers); descriptors are bounded (idle peers are dropped first, accepting
-pauses at EMFILE, some are kept for flushes); and nothing that can block (ledger files, stderr,
-flushes) runs on the loop's thread.
+pauses at EMFILE, some are kept for flushes); threads are bounded (fixed at start-up, a failed
+start never ends the guard); repeated lines are said at most once a minute per kind, with a
+count; and nothing that can block (ledger files, stderr, flushes) runs on the loop's thread.
 """
 
 from __future__ import annotations
@@ -38,8 +41,9 @@ from collections.abc import Callable
 from typing import Any, Final, NamedTuple
 
 from ._errors import ConfigError
-from ._guard_client import PEERCRED
+from ._guard_client import PEERCRED, ImpostorError, connect_to_guard
 from ._guard_metrics import GuardMetrics
+from ._guard_pool import DEFAULT_FLUSH_WORKERS, WorkPool
 from ._ledger import Place, Record, recover_with
 from ._options import FlushOptions, RecoverOptionKwargs
 from ._report import FlushReport
@@ -53,9 +57,9 @@ from ._watchdog_process import (
     STATUS,
     Channel,
     WatchLoop,
-    _say,
     io_error,
     process_start_time,
+    write_all,
 )
 
 log = logging.getLogger(__name__)
@@ -68,7 +72,11 @@ FD_RESERVE: Final = 256  # descriptors never given to peers: flushes, the ledger
 PAUSE: Final = 0.1  # seconds accepting pauses at EMFILE or when every peer holds a trainer
 RETRY_FIRST: Final = 1.0  # seconds before the first retry of a failed flush; doubled up to RETRY_MAX
 RETRY_MAX: Final = 60.0
-SAY_EVERY: Final = 60.0  # seconds between two lines about the same retrying flush or dropped peers
+RETRY_REFUSED: Final = 600.0  # seconds between two retries the servers refused with 401/403 (a wrong secret)
+RETRY_GIVE_UP: Final = 24 * 3600.0  # seconds after a death when the guard stops retrying (recover can still)
+HTTP_WORKERS: Final = 12  # requests in flight at once per flush worker: at most 4 x 12 HTTP threads
+SAY_EVERY: Final = 60.0  # seconds between two lines of the same kind (retries, drops, refusals)
+PATH_CHECK: Final = 2.0  # seconds between two checks that the socket path is still the guard's
 MAX_QUEUED_LINES: Final = 1000  # stderr lines waiting for a stalled stderr; later ones are dropped
 # The options a trainer hands over: FlushOptions' fields but the bearer (sent as per-id tokens).
 _OPTION_KEYS: Final = frozenset(RecoverOptionKwargs.__optional_keys__) - {"admin_secret", "bearer"}
@@ -77,6 +85,42 @@ _TOKEN: Final = re.compile(r"[0-9a-f]{32}")
 
 class GuardError(Exception):
     """The guard cannot start (its socket path is taken or unusable, a bad ledger); the message says why."""
+
+
+class _Lines:
+    """Lines of one kind said at most once every ``SAY_EVERY`` seconds; the next one counts those held back."""
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self._say = say
+        self._said_at: dict[str, float] = {}
+        self._held_back: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()  # the loop's thread and the flush workers say lines
+
+    def say(self, kind: str, line: str) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._said_at.get(kind, -SAY_EVERY) < SAY_EVERY:
+                self._held_back[kind] += 1
+                return
+            self._said_at[kind] = now
+            held_back = self._held_back.pop(kind, 0)
+        self._say(line + (f" (and {held_back} more like it since the last such line)" if held_back else ""))
+
+    def say_held_back(self) -> None:
+        """Say how many lines of each kind were held back since the last one (at the guard's end)."""
+        with self._lock:
+            held_back, self._held_back = self._held_back, collections.Counter()
+        for kind, count in sorted(held_back.items()):
+            self._say(f"{count} more '{kind}' line(s) held back (at most one a minute is said)")
+
+
+class _Retrying(NamedTuple):
+    """A dead trainer's flush that failed: what is left, since when, and the next delay."""
+
+    pairs: dict[str, tuple[str, ...]] | None  # server -> ids; None: all of them
+    died: float
+    attempt: int
+    delay: float
 
 
 class GuardStatus(NamedTuple):
@@ -184,7 +228,8 @@ class Guard:
     """The listening socket, the trainers' channels, their records and their flushes."""
 
     def __init__(self, path: str, ledger: str | None = None, drain: float = DEFAULT_DRAIN,
-                 heartbeat: float = DEFAULT_HEARTBEAT, metrics: bool = False) -> None:
+                 heartbeat: float = DEFAULT_HEARTBEAT, metrics: bool = False,
+                 flush_workers: int = DEFAULT_FLUSH_WORKERS) -> None:
         self.path = path
         self.ledger = ledger
         self.drain = drain
@@ -196,15 +241,17 @@ class Guard:
         self._listener: socket.socket | None = None
         self._identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket file we bound
         self._lock_fd: int | None = None
-        self._flushes: list[threading.Thread] = []
+        self._lines = _Lines(self.say)
+        self._flushes = WorkPool("swe-flush-guard-flush", flush_workers, self.say)
+        self._flushing: set[Channel] = set()  # dead trainers whose flush runs, waits or waits to be retried
+        self._flushing_lock = threading.Lock()
         self._started = time.monotonic()
         self._stopping_since: float | None = None
         self._stop = threading.Event()
         self._wake_read, self._wake_write = os.pipe()
         self._paused_until: float | None = None
+        self._path_checked_at = time.monotonic()
         self.max_peers = 0
-        self._dropped_idle = 0
-        self._said_dropped_at = -SAY_EVERY
         self._retrying: set[Channel] = set()  # flushes that failed and wait to be retried
         self.metrics = GuardMetrics(self.trainers, lambda: len(self._retrying)) if metrics else None
 
@@ -227,6 +274,12 @@ class Guard:
                 raise GuardError(f"--ledger: the directory {shown(self.ledger)} {problem}")
         self._take_lock()
         self._take_path()
+        self._listen()
+        self.max_peers = max(raise_nofile_limit() - FD_RESERVE, 16)
+        self.loop.watch(self._wake_read, self._woken)
+
+    def _listen(self) -> None:
+        """Bind the path (the socket file made 0600) and listen on it."""
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         umask = os.umask(0o177)  # the socket file is made 0600: connecting needs write permission on it
         try:
@@ -242,9 +295,32 @@ class Guard:
         listener.listen(128)
         listener.setblocking(False)
         self._listener = listener
-        self.max_peers = max(raise_nofile_limit() - FD_RESERVE, 16)
         self.loop.watch(listener.fileno(), self._accept)
-        self.loop.watch(self._wake_read, self._woken)
+
+    def _keep_path(self) -> None:
+        """Every ``PATH_CHECK`` seconds: the path must still be our socket; removed (a tmp cleaner, another
+        container on a shared folder) or replaced, it is taken back and listened on again."""
+        now = time.monotonic()
+        if now < self._path_checked_at + PATH_CHECK or self._listener is None or self._paused_until is not None:
+            return
+        self._path_checked_at = now
+        try:
+            info = os.lstat(self.path)
+            if (info.st_dev, info.st_ino) == self._identity:
+                return
+        except OSError:
+            pass
+        self.loop.unwatch(self._listener.fileno())
+        self._listener.close()
+        self._listener = None
+        try:
+            self._take_path()
+            self._listen()
+        except (GuardError, OSError) as exc:
+            self._lines.say("path", f"the socket at {shown(self.path)} was removed or replaced and cannot be taken "
+                                    f"back yet: {exc}; trying again every {PATH_CHECK:g} s")
+            return
+        self.say(f"the socket at {shown(self.path)} was removed or replaced; listening there again")
 
     def _check_folder(self, folder: str) -> None:
         """Refuse a folder another (non-root) user owns; warn when others may write it without the sticky bit."""
@@ -282,14 +358,20 @@ class Guard:
             return
         if not stat.S_ISSOCK(info.st_mode):
             raise GuardError(f"{shown(self.path)} exists and is not a socket")
-        if guard_status(self.path) is not None:  # a guard of a version that took no lock
-            raise GuardError(f"a guard is already serving {shown(self.path)}")
+        served_by = ""
         try:
-            os.unlink(self.path)  # a stale socket, left by a guard that died
+            if guard_status(self.path) is not None:  # a guard of this uid, of a version that took no lock
+                raise GuardError(f"a guard is already serving {shown(self.path)}")
+        except ImpostorError as exc:  # the lock is ours, so the path is: another uid's socket is replaced
+            served_by = f", served by uid {exc.uid}"
+        try:
+            os.unlink(self.path)  # a stale socket left by a guard that died, or another uid's
         except OSError as exc:
-            raise GuardError(f"cannot remove the stale socket {shown(self.path)} (owned by uid {info.st_uid}): "
-                             f"{exc.strerror or exc}; remove it as that user, or run the guard as that user") \
-                from None
+            raise GuardError(f"cannot remove the socket {shown(self.path)} (owned by uid {info.st_uid}"
+                             f"{served_by}): {exc.strerror or exc}; remove it as that user, or run the guard as "
+                             "that user") from None
+        if served_by:
+            self.say(f"replaced the socket at {shown(self.path)}{served_by}: this guard holds the path's lock")
 
     # -- serving -------------------------------------------------------------------------
     def _accept(self) -> None:
@@ -330,11 +412,11 @@ class Guard:
                               ledger_io=self._ledger_io))
 
     def say(self, line: str) -> None:
-        """One line on stderr, written off the loop's thread."""
+        """One line on stderr, written by the stderr thread (a stalled stderr holds only that thread)."""
         dropped, self._stderr.dropped = self._stderr.dropped, 0
         if dropped:
             line = f"({dropped} earlier lines dropped: stderr was not read) {line}"
-        self._stderr.submit(functools.partial(_say, f"swe-flush guard: {line}"))
+        self._stderr.submit(functools.partial(write_all, 2, f"swe-flush guard: {line}\n".encode("utf-8", "replace")))
 
     def _ledger_io(self, channel: Channel, job: Callable[[], None]) -> None:
         """A record write or removal, on the ledger's thread; its failures said once per kind."""
@@ -354,12 +436,8 @@ class Guard:
                 self.loop.end(channel)
                 if self.metrics is not None:
                     self.metrics.dropped.labels("peer_limit").inc()
-                self._dropped_idle += 1
-                if time.monotonic() - self._said_dropped_at >= SAY_EVERY:
-                    self._said_dropped_at = time.monotonic()
-                    self.say(f"{self._dropped_idle} idle connection(s) dropped: the peer limit "
-                             f"({self.max_peers}) was reached")
-                    self._dropped_idle = 0
+                self._lines.say("peer limit", f"an idle connection dropped: the peer limit ({self.max_peers}) "
+                                              "was reached")
                 return True
         return False
 
@@ -395,54 +473,71 @@ class Guard:
         with contextlib.suppress(OSError):
             os.close(channel.read_fd)
         if channel.error is not None:
-            self.say(f"dropped the connection of pid {channel.trainer_pid}: it sent {channel.error}")
+            self._lines.say("dropped connection",
+                            f"dropped the connection of pid {channel.trainer_pid}: it sent {channel.error}")
             if self.metrics is not None:
                 self.metrics.dropped.labels("bad_message").inc()
             channel.settle(None)
         elif channel.disarmed or channel.state is None:
             channel.settle(None)
         else:
-            flusher = threading.Thread(target=self._flush, args=(channel, time.monotonic()), name="swe-flush-guard",
-                                       daemon=True)
-            flusher.start()
-            self._flushes = [*(other for other in self._flushes if other.is_alive()), flusher]
+            with self._flushing_lock:
+                self._flushing.add(channel)
+            self._flushes.submit(functools.partial(self._flush, channel, _Retrying(None, time.monotonic(), 1,
+                                                                                   RETRY_FIRST)))
 
-    def _flush(self, channel: Channel, died: float) -> None:
-        """One trainer's flush, on a thread of its own, retried with backoff until every pair is
-        flushed (``/flush`` is idempotent); meanwhile its record says the trainer is gone."""
+    def flushing(self) -> int:
+        """Dead trainers whose flush runs, waits for a worker or waits to be retried."""
+        return len(self._flushing)
+
+    def _flush(self, channel: Channel, retry: _Retrying) -> None:
+        """One attempt at a dead trainer's flush, on a flush worker. A failed one is put back on the
+        heap with backoff (``/flush`` is idempotent; 401/403 slowly) until every pair is flushed, the
+        record is no longer the guard's, or ``RETRY_GIVE_UP`` has passed since the death."""
         who = f"trainer pid {channel.trainer_pid}"
-        pairs: dict[str, tuple[str, ...]] | None = None  # None: all of them
-        delay, said_at, attempt = RETRY_FIRST, -SAY_EVERY, 0
-        while True:
-            attempt += 1
-            try:
-                report = channel.flush(pairs)
-            except Exception as exc:  # noqa: BLE001 - one trainer's failure must not stop the guard
-                report, why = None, f"the flush failed: {type(exc).__name__}"
-                if self.metrics is not None:
-                    self.metrics.flushed(None)
-            else:
+        if retry.attempt > 1 and channel.ledger is not None and not os.path.exists(channel.ledger.path):
+            self._done(channel)  # a recover claimed the record (and flushed it), or it was removed
+            self._lines.say("claimed", f"{who}: its record was taken by a recover or removed; retries end")
+            return
+        try:
+            report = channel.flush(retry.pairs, max_workers=HTTP_WORKERS, retries=0)  # the guard retries itself
+        except Exception as exc:  # noqa: BLE001 - one trainer's failure must not stop the guard
+            report, why, refused = None, f"the flush failed: {type(exc).__name__}", False
+            if self.metrics is not None:
+                self.metrics.flushed(None)
+        else:
+            if self.metrics is not None and report is not None:
+                self.metrics.flushed(report)
+            if report is None or report.ok:
                 if self.metrics is not None and report is not None:
-                    self.metrics.flushed(report)
-                if report is None or report.ok:
-                    self._retrying.discard(channel)
-                    if self.metrics is not None and report is not None:
-                        self.metrics.death_to_flush.observe(time.monotonic() - died)
-                    channel.settle(report)
-                    if report is not None:
-                        again = f" (attempt {attempt})" if attempt > 1 else ""
-                        self.say(f"{who} gone; {report.summary()}{again}")
-                    return
-                pairs = _failed_pairs(report)
-                why = report.summary()
-            if attempt == 1:
-                channel.mark_gone()
-                self._retrying.add(channel)
-            if time.monotonic() - said_at >= SAY_EVERY:
-                said_at = time.monotonic()
-                self.say(f"{who} gone; {why}; retrying every {delay:g}-{RETRY_MAX:g} s until it is flushed")
-            time.sleep(delay)
-            delay = min(delay * 2, RETRY_MAX)
+                    self.metrics.death_to_flush.observe(time.monotonic() - retry.died)
+                channel.settle(report)
+                self._done(channel)
+                if report is not None:
+                    again = f" (attempt {retry.attempt})" if retry.attempt > 1 else ""
+                    self.say(f"{who} gone; {report.summary()}{again}")
+                return
+            refused = all(result.status_code in (401, 403) for result in report.results if not result.ok)
+            why = report.summary()
+            retry = retry._replace(pairs=_failed_pairs(report))
+        if retry.attempt == 1:
+            channel.mark_gone()
+            self._retrying.add(channel)
+        delay = RETRY_REFUSED if refused else retry.delay
+        if time.monotonic() + delay - retry.died > RETRY_GIVE_UP:
+            self._done(channel)
+            self.say(f"{who} gone; {why}; gave up retrying after {RETRY_GIVE_UP / 3600:g} h: its record stays "
+                     "for recover")
+            return
+        self._lines.say("retrying", f"{who} gone; {why}; retrying in {delay:g} s (every {RETRY_FIRST:g}-"
+                                    f"{RETRY_MAX:g} s, {RETRY_REFUSED:g} s after 401/403) until it is flushed")
+        self._flushes.submit(functools.partial(self._flush, channel, retry._replace(
+            attempt=retry.attempt + 1, delay=min(retry.delay * 2, RETRY_MAX))), delay)
+
+    def _done(self, channel: Channel) -> None:
+        self._retrying.discard(channel)
+        with self._flushing_lock:
+            self._flushing.discard(channel)
 
     def _woken(self) -> None:
         with contextlib.suppress(OSError):
@@ -469,6 +564,7 @@ class Guard:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+        self._lines.say_held_back()
         if self._writer is not None:
             self._writer.drain(1.0)
         self._stderr.drain(1.0)
@@ -479,21 +575,21 @@ class Guard:
             threading.Thread(target=self._recover_every_interval, name="swe-flush-guard-recover", daemon=True).start()
         try:
             while True:
-                timeout = None if self._paused_until is None else PAUSE
+                timeout = PATH_CHECK if self._paused_until is None else PAUSE
                 if self._stopping_since is not None:
-                    self._flushes = [flusher for flusher in self._flushes if flusher.is_alive()]
                     held = [channel for channel in self.loop.channels if channel.state is not None]
-                    if not held and not self._flushes:
+                    if not held and not self._flushing:
                         return 0
                     left = self._stopping_since + self.drain - time.monotonic()
                     if left <= 0:
                         pids = ", ".join(str(channel.trainer_pid) for channel in held) or "none"
                         self.say(f"drain time ({self.drain:g} s) is up; left unguarded: trainers {pids}"
-                                 f"{'; flushes still running' if self._flushes else ''}")
+                                 f"{'; flushes still running' if self._flushing else ''}")
                         return 0
                     timeout = min(left, 0.1)  # also notice flushes that end
                 self.loop.run_once(timeout)
                 self._resume()
+                self._keep_path()
         finally:
             self.close()
 
@@ -542,11 +638,14 @@ def _failed_pairs(report: FlushReport) -> dict[str, tuple[str, ...]]:
 
 
 def guard_status(path: str) -> GuardStatus | None:
-    """What the guard serving ``path`` says of itself; None when no guard answers."""
+    """What the guard serving ``path`` says of itself; None when no guard answers.
+
+    Raises:
+        ImpostorError: the socket is served by another uid (not this user or root): not a guard,
+            whatever it would answer; nothing was sent to it.
+    """
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-            probe.settimeout(STATUS_TIMEOUT)
-            probe.connect(path)
+        with connect_to_guard(path, STATUS_TIMEOUT) as probe:
             probe.sendall(b'{"status": true}\n')
             answer = b""
             while not answer.endswith(b"\n"):

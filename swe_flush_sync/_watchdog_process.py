@@ -218,12 +218,13 @@ def _say(line: str) -> None:
     one (a launcher that stopped reading) never keeps the watchdog from going on or exiting."""
     if sys.stderr is None:  # fd 2 was closed when the trainer started us
         return
-    writer = threading.Thread(target=_write_all, args=(2, (line + "\n").encode("utf-8", "replace")), daemon=True)
+    writer = threading.Thread(target=write_all, args=(2, (line + "\n").encode("utf-8", "replace")), daemon=True)
     writer.start()
     writer.join(SAY_TIMEOUT)
 
 
-def _write_all(fd: int, data: bytes) -> None:
+def write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to ``fd`` (blocking), giving up silently at the first error."""
     with contextlib.suppress(OSError):
         while data:
             data = data[os.write(fd, data):]
@@ -253,8 +254,10 @@ class Channel:
     """One trainer's control channel: the lines it sends, our word back, its ledger record.
 
     ``strict`` (a guard's connections): a malformed line, a line over the bound, a message of the
-    wrong shape or a state ``check`` refuses ends the channel (``error`` says why). Otherwise (the
-    watchdog's own pipe, written only by its trainer) such a line is skipped. A guard passes its
+    wrong shape or a state ``check`` refuses is answered ``refused WHY``; from a peer that never
+    handed a good state over it ends the channel (``error`` says why), while a trainer already held
+    keeps its last good state (held, and flushed at its death). Otherwise (the watchdog's own
+    pipe, written only by its trainer) such a line is skipped. A guard passes its
     own ``ledger`` folder, ``heartbeat`` and ``ledger_io``; the watchdog's pipe brings its ledger
     with the state and writes its record inline, before it says ``held``.
     """
@@ -278,6 +281,8 @@ class Channel:
         self.error: str | None = None
         self.next_beat = float("inf")
         self.pending = bytearray()  # the start of a line not yet ended
+        self._skipping = False  # the rest of a line over the bound is dropped up to its end
+        self.refusals = 0  # lines refused from a trainer that stays held
         self._ledger_error: str | None = None
         os.set_blocking(reply_fd, False)  # a trainer that does not read our word never stops us
 
@@ -299,6 +304,11 @@ class Channel:
             chunk = b""
         if not chunk:
             return False
+        if self._skipping:
+            end = chunk.find(b"\n")
+            if end < 0:
+                return True
+            chunk, self._skipping = chunk[end + 1:], False
         start = len(self.pending)
         self.pending += chunk
         end = self.pending.find(b"\n", start)  # only the new bytes are searched: no quadratic rescans
@@ -309,14 +319,21 @@ class Channel:
                 return False
             end = self.pending.find(b"\n")
         if len(self.pending) > MAX_STATE_BYTES:
+            self.pending.clear()
+            self._skipping = True
             return self._bad(f"a line over {MAX_STATE_BYTES} bytes")
         return True
 
-    def _bad(self, why: str) -> bool:
-        if self.strict:
+    def _bad(self, why: str, told: str | None = None) -> bool:
+        """A line that cannot be taken: skipped on the watchdog's pipe; on a guard's connection refused
+        (the peer is ``told`` why, else ``why``), and the end of the channel unless it holds a good state."""
+        if not self.strict:
+            return True
+        self.tell(REFUSED + b" " + (why if told is None else told).encode("utf-8", "replace"))
+        if self.state is None:
             self.error = why
             return False
-        self.pending.clear()
+        self.refusals += 1
         return True
 
     def _take_guarded(self, line: bytearray) -> bool:
@@ -352,8 +369,7 @@ class Channel:
             try:
                 state = self._check(state)
             except ValueError as exc:
-                self.tell(REFUSED + b" " + str(exc).encode("utf-8", "replace"))
-                return self._bad(f"a state it refused: {exc}")
+                return self._bad(f"a state it refused: {exc}", told=str(exc))
         if self.token is not None and state.get("trainer") != self.token:
             return self._bad("a state of another trainer")
         first = self.state is None
@@ -399,21 +415,32 @@ class Channel:
             if error is not None:
                 _say(f"swe-flush watchdog for pid {self.trainer_pid}: cannot write the ledger record: {error}")
 
-    def flush(self, pairs: Mapping[str, tuple[str, ...]] | None = None) -> FlushReport | None:
-        """Flush the last state's pairs (or only ``pairs``: server -> ids) with the public ``flush``;
-        None when there was nothing to flush."""
+    def flush(self, pairs: Mapping[str, tuple[str, ...]] | None = None, *,
+              max_workers: int | None = None, retries: int | None = None) -> FlushReport | None:
+        """Flush the last state's pairs (or only ``pairs``: server -> ids), logging nothing (the
+        caller says one line); None when there was nothing to flush. ``max_workers`` caps the
+        requests in flight at once (a guard bounds its threads with it); ``retries`` replaces the
+        trainer's (a guard that retries failed flushes itself asks for none within an attempt)."""
         state = self.state
         if state is None or not state.get("ids") or not state.get("urls"):
             return None
-        from swe_flush_sync import FlushReport, flush  # imported only now: the watchdog's wait stays lean
+        from swe_flush_sync import Flusher, FlushReport  # imported only now: the watchdog's wait stays lean
+        from swe_flush_sync._resolve import normalize_instance_ids
 
         tokens = state.get("tokens")
         options = dict(state.get("options") or {})
         if isinstance(tokens, dict):
             options["bearer"] = tokens.__getitem__  # a missing token fails that pair only
-        if pairs is None:
-            return flush(state["urls"], state["ids"], linger=0.0, **options)
-        reports = [flush(url, ids, linger=0.0, **options) for url, ids in pairs.items()]
+        if max_workers is not None:
+            options["max_workers"] = min(options.get("max_workers") or max_workers, max_workers)
+        if retries is not None:
+            options["retries"] = retries
+        groups = {tuple(state["urls"]): tuple(state["ids"])} if pairs is None else \
+            {(url,): ids for url, ids in pairs.items()}
+        reports = []
+        for urls, ids in groups.items():
+            with Flusher(urls, linger=0.0, **options) as flusher:
+                reports.append(flusher._flush_ids(normalize_instance_ids(ids), flusher.options.deadline))
         return FlushReport(results=tuple(result for report in reports for result in report.results),
                            elapsed=sum(report.elapsed for report in reports))
 

@@ -199,7 +199,7 @@ def test_11_a_non_root_guard_that_cannot_remove_a_stale_socket_says_so(short_dir
                           "guard", "--socket", path], capture_output=True, text=True, env=subprocess_env(),
                          timeout=30)
     assert out.returncode == 2, out
-    assert out.stderr.count("\n") == 1 and "cannot remove the stale socket" in out.stderr
+    assert out.stderr.count("\n") == 1 and "cannot remove the socket" in out.stderr and "(owned by uid 0)" in out.stderr
     assert "Traceback" not in out.stderr and os.path.exists(path)
 
 
@@ -230,7 +230,8 @@ def test_2_nested_json_and_bad_fields_end_only_their_connection(stub: AgentServe
     assert wait_until(lambda: len(stub.requests) >= 3, 3.0)
     assert Counter(stub.flushed_ids()) == dict.fromkeys(IDS, 1)
     err = guard_pid_lines(guard)
-    assert err.count("dropped the connection") == len(hostile) and "Traceback" not in err
+    assert err.count("dropped the connection") == 1 and "Traceback" not in err  # one a minute at most ...
+    assert f"{len(hostile) - 1} more 'dropped connection' line(s) held back" in err  # ... and the rest counted
 
 
 def test_2_a_records_heartbeat_is_the_guards(stub: AgentServerStub, short_dir: Path,
