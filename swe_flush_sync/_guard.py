@@ -31,6 +31,7 @@ import logging
 import os
 import re
 import resource
+import secrets
 import signal
 import socket
 import stat
@@ -45,6 +46,7 @@ from ._guard_client import PEERCRED, ImpostorError, connect_to_guard
 from ._guard_metrics import GuardMetrics
 from ._guard_pool import DEFAULT_FLUSH_WORKERS, WorkPool
 from ._ledger import Place, Record, recover_with
+from ._liveness import UNSUPPORTED, guard_lock_path, hold, is_held, release, trainer_lock_path
 from ._options import FlushOptions, RecoverOptionKwargs
 from ._report import FlushReport
 from ._resolve import URL_ENV_VARS, normalize_instance_ids, normalize_server_urls, resolve_server_urls
@@ -65,8 +67,9 @@ from ._watchdog_process import (
 log = logging.getLogger(__name__)
 
 DEFAULT_DRAIN: Final = 30.0  # seconds: a pod's default termination grace period
-RECOVER_INTERVAL: Final = 10.0  # seconds between two recovers of the ledger's gone owners
-TAKEOVER_GRACE: Final = 5.0  # seconds a restarted guard waits for a predecessor's trainers to reconnect
+RECOVER_INTERVAL: Final = 2.0  # seconds between two recovers of the ledger's gone owners
+TAKEOVER_GRACE: Final = 5.0  # seconds a restarted guard waits for a predecessor's lockless trainers to reconnect
+LOCK_RECHECK_MAX: Final = 1.0  # seconds between two looks at the lock of a trainer whose connection ended
 STATUS_TIMEOUT: Final = 2.0  # seconds ``--status`` waits for an answer
 FD_RESERVE: Final = 256  # descriptors never given to peers: flushes, the ledger, stderr
 PAUSE: Final = 0.1  # seconds accepting pauses at EMFILE or when every peer holds a trainer
@@ -202,12 +205,15 @@ def checked_state(state: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     trainer = state.get("trainer")
     if trainer is not None and (not isinstance(trainer, str) or not _TOKEN.fullmatch(trainer)):
         raise ValueError("trainer must be 32 lowercase hex digits")
+    if not isinstance(state.get("lock", False), bool):
+        raise ValueError("lock must be true or false")
     known = {key: value for key, value in options.items() if key in _OPTION_KEYS}
     if isinstance(known.get("client_cert"), list):
         known["client_cert"] = tuple(known["client_cert"])
     FlushOptions(**known, linger=0.0)  # ConfigError (a ValueError) names the bad option
     return ({"urls": list(normalize_server_urls(urls, "urls")) if urls else [],
-             "ids": list(normalize_instance_ids(ids)), "tokens": tokens, "options": known, "trainer": trainer},
+             "ids": list(normalize_instance_ids(ids)), "tokens": tokens, "options": known, "trainer": trainer,
+             "lock": state.get("lock") is True and trainer is not None},
             sorted(str(key) for key in options if key not in _OPTION_KEYS))
 
 
@@ -241,6 +247,9 @@ class Guard:
         self._listener: socket.socket | None = None
         self._identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket file we bound
         self._lock_fd: int | None = None
+        self._life_lock: tuple[int, str] | None = None  # this guard's own lock while it lives (records name it)
+        self._connected: collections.Counter[str] = collections.Counter()  # tokens of the trainers held now
+        self._handed_over: set[Channel] = set()  # closed by this guard at the end of its drain: not dead
         self._lines = _Lines(self.say)
         self._flushes = WorkPool("swe-flush-guard-flush", flush_workers, self.say)
         self._flushing: set[Channel] = set()  # dead trainers whose flush runs, waits or waits to be retried
@@ -275,6 +284,9 @@ class Guard:
         self._take_lock()
         self._take_path()
         self._listen()
+        life_lock = guard_lock_path(self.path, secrets.token_hex(8))
+        with contextlib.suppress(OSError):  # without it, its records are judged by the older rules
+            self._life_lock = (hold(life_lock), life_lock)
         self.max_peers = max(raise_nofile_limit() - FD_RESERVE, 16)
         self.loop.watch(self._wake_read, self._woken)
 
@@ -346,9 +358,16 @@ class Guard:
             raise GuardError(f"the lock {shown(lock_path)} {problem}")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except BlockingIOError:
             os.close(fd)
             raise GuardError(f"a guard is already serving {shown(self.path)}") from None
+        except OSError as exc:
+            if exc.errno not in UNSUPPORTED:
+                os.close(fd)
+                raise GuardError(f"cannot lock {shown(lock_path)}: {exc.strerror or exc}") from None
+            self.say(f"warning: {shown(lock_path)} cannot be locked here ({exc.strerror or exc}: no flock on this "
+                     "file system): one guard per path is not enforced, and trainers are judged by a grace and "
+                     "their heartbeat; put the socket on a local file system")
         self._lock_fd = fd
 
     def _take_path(self) -> None:
@@ -409,7 +428,17 @@ class Guard:
         os.set_blocking(fd, False)
         self.loop.add(Channel(fd, fd, pid, strict=True, ledger=self.ledger, heartbeat=self.heartbeat,
                               check=functools.partial(self._checked, pid=pid, said=[]), status=self._status,
-                              ledger_io=self._ledger_io))
+                              ledger_io=self._ledger_io, locks=self._record_locks))
+
+    def _trainer_lock(self, state: dict[str, Any] | None) -> str | None:
+        """The lock file of the trainer with ``state``, as this guard sees it (None: it holds none)."""
+        token = (state or {}).get("trainer")
+        return trainer_lock_path(self.path, token) if (state or {}).get("lock") and isinstance(token, str) else None
+
+    def _record_locks(self, state: dict[str, Any]) -> dict[str, str | None]:
+        """What a record names to prove life: the trainer's lock and this guard's."""
+        return {"trainer_lock": self._trainer_lock(state),
+                "guard_lock": self._life_lock[1] if self._life_lock is not None else None}
 
     def say(self, line: str) -> None:
         """One line on stderr, written by the stderr thread (a stalled stderr holds only that thread)."""
@@ -452,10 +481,13 @@ class Guard:
             if self._listener is not None:
                 self.loop.watch(self._listener.fileno(), self._accept)
 
-    def _checked(self, state: dict[str, Any], pid: int, said: list[str]) -> dict[str, Any]:
-        if self._stopping_since is not None:
+    def _checked(self, state: dict[str, Any], first: bool, pid: int, said: list[str]) -> dict[str, Any]:
+        """A state as the guard holds it; a draining guard refuses new trainers only (held ones update)."""
+        if self._stopping_since is not None and first:
             raise ValueError("the guard is stopping (draining); arm against the next one")
         state, dropped = checked_state(state)
+        if first and isinstance(state.get("trainer"), str):
+            self._connected[state["trainer"]] += 1
         if dropped and not said:  # once per connection
             said.append("options")
             self.say(f"trainer pid {pid} sent options this guard does not know, dropped: "
@@ -472,6 +504,13 @@ class Guard:
     def _ended(self, channel: Channel) -> None:
         with contextlib.suppress(OSError):
             os.close(channel.read_fd)
+        if channel.token is not None:
+            self._connected[channel.token] -= 1
+            if self._connected[channel.token] <= 0:
+                del self._connected[channel.token]
+        if channel in self._handed_over:  # alive (its lock is held): its record stays for the successor
+            self._handed_over.discard(channel)
+            return
         if channel.error is not None:
             self._lines.say("dropped connection",
                             f"dropped the connection of pid {channel.trainer_pid}: it sent {channel.error}")
@@ -483,8 +522,22 @@ class Guard:
         else:
             with self._flushing_lock:
                 self._flushing.add(channel)
-            self._flushes.submit(functools.partial(self._flush, channel, _Retrying(None, time.monotonic(), 1,
-                                                                                   RETRY_FIRST)))
+            self._flushes.submit(functools.partial(self._flush_once_gone, channel, time.monotonic(), 0.01))
+
+    def _flush_once_gone(self, channel: Channel, ended: float, recheck: float) -> None:
+        """A connection ended without a disarm: flush its trainer once its lock is free (a held lock is
+        a live trainer: at a death the kernel may close the socket a moment before the lock). A trainer
+        that connected again meanwhile is guarded by its new connection; no lock, or one that cannot
+        be examined: the end of the connection is the death, as before."""
+        lock = self._trainer_lock(channel.state)
+        if lock is not None and channel.token in self._connected:
+            self._done(channel)
+            return
+        if lock is not None and is_held(lock):
+            self._flushes.submit(functools.partial(self._flush_once_gone, channel, ended,
+                                                   min(recheck * 2, LOCK_RECHECK_MAX)), recheck)
+            return
+        self._flush(channel, _Retrying(None, ended, 1, RETRY_FIRST))
 
     def flushing(self) -> int:
         """Dead trainers whose flush runs, waits for a worker or waits to be retried."""
@@ -544,6 +597,7 @@ class Guard:
             os.read(self._wake_read, 512)
         if self._stop.is_set() and self._stopping_since is None:
             self._stopping_since = time.monotonic()
+            self._give_up_path()  # a successor binds at once; the trainers held here stay held until the drain ends
 
     def stop(self) -> None:
         """Stop taking trainers (from a signal handler too); the connected ones are watched for ``drain`` s."""
@@ -552,7 +606,18 @@ class Guard:
             os.write(self._wake_write, b"x")
 
     def close(self) -> None:
-        """Stop listening; remove the socket path only while it is still ours; release the lock."""
+        """Give up the path; release this guard's own lock; write what is queued."""
+        self._give_up_path()
+        if self._life_lock is not None:
+            release(*self._life_lock)
+            self._life_lock = None
+        self._lines.say_held_back()
+        if self._writer is not None:
+            self._writer.drain(1.0)
+        self._stderr.drain(1.0)
+
+    def _give_up_path(self) -> None:
+        """Stop listening; remove the socket path only while it is still ours; release the path's lock."""
         if self._listener is not None:
             self.loop.unwatch(self._listener.fileno())
             self._listener.close()
@@ -564,10 +629,6 @@ class Guard:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
-        self._lines.say_held_back()
-        if self._writer is not None:
-            self._writer.drain(1.0)
-        self._stderr.drain(1.0)
 
     def serve(self) -> int:
         """Serve until ``stop()``; then drain. 0 when it ended on its own terms."""
@@ -582,9 +643,7 @@ class Guard:
                         return 0
                     left = self._stopping_since + self.drain - time.monotonic()
                     if left <= 0:
-                        pids = ", ".join(str(channel.trainer_pid) for channel in held) or "none"
-                        self.say(f"drain time ({self.drain:g} s) is up; left unguarded: trainers {pids}"
-                                 f"{'; flushes still running' if self._flushing else ''}")
+                        self._hand_over(held)
                         return 0
                     timeout = min(left, 0.1)  # also notice flushes that end
                 self.loop.run_once(timeout)
@@ -593,15 +652,27 @@ class Guard:
         finally:
             self.close()
 
+    def _hand_over(self, held: list[Channel]) -> None:
+        """The drain is over: close the held trainers' connections without flushing them. Their locks
+        prove them alive, so no guard flushes them, and their follower threads arm with the successor."""
+        locked = [channel for channel in held if self._trainer_lock(channel.state) is not None]
+        for channel in held:
+            self._handed_over.add(channel)
+            self.loop.end(channel)
+        pids = ", ".join(str(channel.trainer_pid) for channel in held) or "none"
+        lockless = len(held) - len(locked)
+        self.say(f"drain time ({self.drain:g} s) is up; handed over trainers {pids} (they arm with the next guard)"
+                 + (f"; {lockless} of them hold no lock: a successor judges them by a grace" if lockless else "")
+                 + ("; flushes still running" if self._flushing else ""))
+
     # -- the ledger ----------------------------------------------------------------------
     def _recover_every_interval(self) -> None:
-        """Recover the ledger's records whose owners are gone: first after the takeover grace (the
-        trainers of a guard that restarted reconnect meanwhile), then every interval."""
+        """Recover the ledger's records whose owners are gone: at once (a dead trainer's free lock
+        says so), then every interval; lockless records of a predecessor only after the takeover grace."""
         said_no_server = not resolve_server_urls(os.environ)
         if said_no_server:  # said at once, not after the grace
             self.say(f"cannot recover the ledger: no agent server named ({' and '.join(URL_ENV_VARS)} unset); "
                      "guarding goes on")
-        self._stop.wait(TAKEOVER_GRACE)
         options = FlushOptions(until_idle=True, linger=0.0)
         while not self._stop.is_set():
             try:
@@ -616,12 +687,17 @@ class Guard:
             self._stop.wait(RECOVER_INTERVAL)
 
     def _judge(self, record: Record, gone: bool) -> bool:
-        """A predecessor's record (its guard gone, here) whose trainer has not reconnected within the
-        grace is gone, whatever its heartbeat says; a trainer connected to this guard never is."""
-        if record.trainer is not None and record.trainer in {channel.token for channel in list(self.loop.channels)}:
+        """A trainer connected to this guard is never gone; a record the locks decide is as they say;
+        a lockless predecessor's record (its guard gone, here) whose trainer has not reconnected
+        within the grace is gone, whatever its heartbeat says."""
+        if record.trainer is not None and record.trainer in self._connected:
             return False
         if gone:
             return True
+        if record.trainer_lock is not None and is_held(record.trainer_lock) is not None:
+            return False  # held: alive
+        if record.guard_lock is not None and is_held(record.guard_lock):
+            return False  # a live guard keeps it
         predecessor = (record.trainer is not None and record.watchdog_pid != os.getpid()
                        and record.place == Place.here()
                        and process_start_time(record.watchdog_pid or 0) != record.watchdog_start_time)

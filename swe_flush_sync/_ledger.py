@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from ._errors import ConfigError
 from ._flusher import Flusher
+from ._liveness import is_held
 from ._logs import log_report
 from ._options import FlushOptions
 from ._report import FlushReport, FlushResult
@@ -105,13 +106,24 @@ class Record:
     set_aside: str | None = None
     trainer: str | None = None  # the trainer's token (a guard's record), None for a watchdog's
     gone: bool = False  # its keeper saw the trainer die and has not flushed it yet
+    trainer_lock: str | None = None  # a guard's record: the trainer's lock file (held while it lives)
+    guard_lock: str | None = None  # ... and the lock of the guard that keeps it (held while that guard lives)
 
     def owner_gone(self, here: Place, now: float) -> bool:
-        """Marked gone by its keeper; or, in this host, boot and PID namespace, its watchdog (or guard)
-        is not alive to flush and the trainer is dead (or a zombie, or another process); anywhere
-        else, or when the trainer's pid meant nothing to its guard, the heartbeat is stale."""
+        """Marked gone by its keeper. Else, for a guard's record, what the locks prove (see
+        ``_liveness``): a live guard's record is that guard's to flush; a trainer whose lock is held
+        lives, however long it has been stopped and in whatever PID namespace; one whose lock is
+        free is gone. Else (no lock, or none that can be examined here), in this host, boot and
+        PID namespace, its watchdog (or guard) is not alive to flush and the trainer is dead (or a
+        zombie, or another process); anywhere else, or when the trainer's pid meant nothing to its
+        guard, the heartbeat is stale."""
         if self.gone:
             return True
+        if self.guard_lock is not None and is_held(self.guard_lock):
+            return False
+        trainer_alive = is_held(self.trainer_lock) if self.trainer_lock is not None else None
+        if trainer_alive is not None:
+            return not trainer_alive
         if here.boot_id is not None and here.pid_ns is not None and self.place == here:
             if _alive(self.watchdog_pid, self.watchdog_start_time):
                 return False
@@ -165,8 +177,9 @@ def read_record(path: str) -> Record:
         raise BadRecord(str(exc)) from None
     optional_int = (int, type(None))
     trainer = raw.get("trainer")
+    locks = {name: raw.get(name) if isinstance(raw.get(name), str) else None for name in ("trainer_lock", "guard_lock")}
     return Record(urls=urls, ids=ids, trainer=trainer if isinstance(trainer, str) else None,
-                  gone=raw.get("gone") is True,
+                  gone=raw.get("gone") is True, **locks,
                   place=Place(_field(raw, "host", str), _field(raw, "boot_id", (str, type(None))),
                               raw.get("pid_ns") if isinstance(raw.get("pid_ns"), int) else None),
                   pid=_field(raw, "pid", int), start_time=_field(raw, "start_time", optional_int),

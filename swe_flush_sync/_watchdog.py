@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Final
 from . import _watchdog_process
 from ._errors import ConfigError, FlushError
 from ._guard_client import ImpostorError, connect_to_guard
+from ._liveness import hold, trainer_lock_path
 from ._options import FlushOptions
 from ._resolve import URL_ENV_VARS, resolve_bearer, resolve_instance_ids, resolve_server_urls
 from ._text import shown
@@ -143,6 +144,7 @@ class Watchdog:
         self._inbox = b""  # a line of the watchdog's not read whole yet
         self._reader: int | None = None  # the thread that reads the watchdog's answers now (see _await)
         self._token = secrets.token_hex(16)  # names this trainer to a guard across reconnects and restarts
+        self._liveness: _Fd | None = None  # through a guard: the flock that proves this trainer alive (see _liveness)
         self._guard_protocol = _watchdog_process.PROTOCOL  # what the guard said in its last "held"
         self._refused: str | None = None  # why the guard refused the state last queued
         self._refused_payload = b""  # ... and that state
@@ -253,6 +255,7 @@ class Watchdog:
             self._await(lambda: not self._outbox, SEND_TIMEOUT)  # no lock held meanwhile
         with _lock:
             self._close()
+        self._release_liveness_lock()
 
     # -- the pipes ---------------------------------------------------------------------------
     def _state(self) -> tuple[bytes, frozenset[tuple[str, str]]]:
@@ -267,7 +270,7 @@ class Watchdog:
             raise ConfigError(f"watchdog: {len(ids)} ids; a watchdog holds at most {_watchdog_process.MAX_IDS}")
         state = {
             "urls": urls, "ids": ids, "tokens": tokens, "ledger": self.ledger, "heartbeat": DEFAULT_HEARTBEAT,
-            "trainer": self._token,
+            "trainer": self._token, "lock": self._liveness is not None,
             "sys_path": [os.path.abspath(path) for path in sys.path],
             "options": {"deadline": options.deadline, "retries": options.retries, "max_workers": options.max_workers,
                         "connect_timeout": options.connect_timeout, "backoff_factor": options.backoff_factor,
@@ -422,6 +425,8 @@ class Watchdog:
         """Start the watchdog process, or connect to the guard, hand it the state and wait (up to
         ``patience``, default ``ARM_TIMEOUT``) until it says it holds it whole."""
         patience = ARM_TIMEOUT if patience is None else patience
+        if self.guard is not None:
+            self._hold_liveness_lock()
         payload, pairs = self._state()  # user code: before any lock
         process = None
         if self.guard is not None:
@@ -455,6 +460,27 @@ class Watchdog:
                           "main process): it dies with the container and flushes nothing then; run swe-flush guard "
                           f"outside the container and arm with guard=PATH (or {GUARD_ENV_VAR})", UserWarning,
                           stacklevel=3)
+
+    def _hold_liveness_lock(self) -> None:
+        """Through a guard: hold a ``flock`` next to its socket for as long as this trainer lives (once).
+        A guard, a restarted one too, never flushes a trainer whose lock is held, and flushes at once
+        one whose lock is free. Where it cannot be held, guards judge this trainer by the older rules."""
+        if self._liveness is not None or self.guard is None:
+            return
+        with _fork_lock:  # a child forked meanwhile must not keep the lock's descriptor
+            try:
+                self._liveness = _Fd(hold(trainer_lock_path(self.guard, self._token)))
+            except OSError as exc:
+                self._say_once("lock", f"cannot hold a lock next to the guard's socket ({exc.strerror or exc}): a "
+                                       "guard restarted while this trainer cannot run judges it by a grace and its "
+                                       "heartbeat")
+
+    def _release_liveness_lock(self) -> None:
+        if self._liveness is not None and self.guard is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(trainer_lock_path(self.guard, self._token))
+            self._liveness.close()
+            self._liveness = None
 
     def _take_ends(self, control: _Fd, ready: _Fd) -> None:
         with _lock:
@@ -528,6 +554,7 @@ class Watchdog:
         self._await(lambda: not self._outbox, SEND_TIMEOUT)  # the disarm written: it must not flush us later
         with _lock:
             self._close()
+        self._release_liveness_lock()
         raise FlushError(f"the guard at {shown(self.guard or '')} speaks protocol {self._guard_protocol}, older "
                          f"than this trainer's {_watchdog_process.PROTOCOL}: upgrade it to this swe_flush_sync "
                          "version or later")
@@ -631,6 +658,7 @@ class Watchdog:
         """In a forked child: the child has no watchdog (its copies are closed by the at-fork hook) and
         no follower thread."""
         self._control = self._ready = None
+        self._liveness = None  # the at-fork hook closed the child's copy: the lock stays the parent's
         self._reader = None
         self._disarmed = True
         self._following = None
@@ -761,6 +789,7 @@ def watchdog(args: Any, *, guard: str | None = None, environ: Mapping[str, str] 
         with _lock:
             if keeper in _watchdogs:
                 _watchdogs.remove(keeper)
+        keeper._release_liveness_lock()
         raise
     return keeper
 

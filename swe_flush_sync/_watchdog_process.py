@@ -161,8 +161,10 @@ class _RecordKeeper:
     wherever the loop runs it (inline for a watchdog, on a writer thread for a guard).
     """
 
-    def __init__(self, folder: str, trainer_pid: int, heartbeat: float, token: str | None = None) -> None:
+    def __init__(self, folder: str, trainer_pid: int, heartbeat: float, token: str | None = None,
+                 locks: Mapping[str, str | None] | None = None) -> None:
         self.heartbeat = heartbeat
+        self._locks = dict(locks or {})  # a guard's: "trainer_lock" and "guard_lock", the files that prove life
         self.gone = False  # the trainer is gone and its flush has not succeeded yet: any recover may take it
         self._host = host_name()
         self._started = process_start_time(trainer_pid) if trainer_pid > 0 else None
@@ -189,7 +191,7 @@ class _RecordKeeper:
                   "ids": list(state.get("ids", ())), "host": self._host, "pid": self._pid,
                   "start_time": self._started, "boot_id": self._boot, "pid_ns": self._namespace, **self._watchdog,
                   "heartbeat": time.time(), "heartbeat_interval": self.heartbeat, "trainer": self._token,
-                  "gone": self.gone}
+                  "gone": self.gone, **self._locks}
         write_atomically(self.path, json.dumps(record).encode())
 
     def remove(self) -> None:
@@ -264,8 +266,9 @@ class Channel:
 
     def __init__(self, read_fd: int, reply_fd: int, trainer_pid: int, *, strict: bool = False,
                  ledger: str | None = None, heartbeat: float = DEFAULT_HEARTBEAT,
-                 check: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
-                 ledger_io: LedgerIO | None = None, status: Callable[[], bytes] | None = None) -> None:
+                 check: Callable[[dict[str, Any], bool], dict[str, Any]] | None = None,
+                 ledger_io: LedgerIO | None = None, status: Callable[[], bytes] | None = None,
+                 locks: Callable[[dict[str, Any]], dict[str, str | None]] | None = None) -> None:
         self.read_fd = read_fd
         self.reply_fd = reply_fd
         self.trainer_pid = trainer_pid
@@ -275,6 +278,7 @@ class Channel:
         self._check = check
         self._ledger_io = ledger_io
         self._status = status
+        self._locks = locks
         self.state: dict[str, Any] | None = None
         self.ledger: _RecordKeeper | None = None
         self.disarmed = False
@@ -367,7 +371,7 @@ class Channel:
             return self._bad("a message of the wrong shape")
         if self._check is not None:
             try:
-                state = self._check(state)
+                state = self._check(state, self.state is None)
             except ValueError as exc:
                 return self._bad(f"a state it refused: {exc}", told=str(exc))
         if self.token is not None and state.get("trainer") != self.token:
@@ -395,7 +399,8 @@ class Channel:
             else:
                 folder, heartbeat = state.get("ledger"), _positive(state.get("heartbeat"), DEFAULT_HEARTBEAT)
             if isinstance(folder, str):
-                self.ledger = _RecordKeeper(folder, self.trainer_pid, heartbeat, self.token if self.strict else None)
+                self.ledger = _RecordKeeper(folder, self.trainer_pid, heartbeat, self.token if self.strict else None,
+                                            self._locks(state) if self._locks is not None else None)
         if self.ledger is None:
             return
         if state is not None:

@@ -259,33 +259,34 @@ def test_a_peer_of_another_uid_is_refused(stub: AgentServerStub, start_guard: Ca
     assert guard.proc.wait(10) == 0 and "refused a connection from uid 4242" in guard.stderr()
 
 
-def test_sigterm_drains_then_exits(stub: AgentServerStub, start_guard: Callable[..., Guard]) -> None:
+def test_sigterm_hands_the_path_over_and_flushes_a_death_meanwhile(stub: AgentServerStub,
+                                                                   start_guard: Callable[..., Guard]) -> None:
     guard = start_guard("--drain", "20")
     trainer = guarded_trainer(stub, guard)
     trainer.read("ARMED")
     guard.proc.send_signal(signal.SIGTERM)
-    assert wait_until(lambda: _status_line(guard).endswith("1 trainers, draining"), 10.0)  # says so
-    refused = Trainer(stub, f"""
-        try:
-            watchdog(args, guard={guard.socket!r}, until_idle=False)
-        except Exception as exc:
-            print("REFUSED", type(exc).__name__, exc, flush=True)
-    """)
-    words = refused.read("REFUSED")
-    assert words[1] == "FlushError" and "draining" in " ".join(words)  # a new trainer is told, not taken
-    trainer.proc.kill()
+    assert wait_until(lambda: not os.path.exists(guard.socket), 5.0)  # the path is given up at once ...
+    successor = start_guard(path=guard.socket)  # ... so a successor binds at once
+    assert _status(successor) == (successor.proc.pid, 0)
+    trainer.proc.kill()  # a death during the drain: the old guard, which held it, flushes it
     killed = time.monotonic()
     assert guard.proc.wait(10) == 0 and time.monotonic() - killed < 3.0
     assert Counter(stub.flushed_ids()) == dict.fromkeys(IDS, 1)
 
 
-def test_the_drain_time_runs_out(stub: AgentServerStub, start_guard: Callable[..., Guard]) -> None:
+def test_the_drain_time_runs_out_and_the_trainer_arms_with_the_next_guard(stub: AgentServerStub,
+                                                                          start_guard: Callable[..., Guard]) -> None:
     guard = start_guard("--drain", "0.5")
     trainer = guarded_trainer(stub, guard)
     trainer.read("ARMED")
     guard.proc.send_signal(signal.SIGTERM)
     assert guard.proc.wait(10) == 0
-    assert f"left unguarded: trainers {trainer.proc.pid}" in guard.stderr() and stub.requests == []
+    assert f"handed over trainers {trainer.proc.pid}" in guard.stderr() and stub.requests == []
+    successor = start_guard(path=guard.socket)
+    assert wait_until(lambda: _status(successor) == (successor.proc.pid, 1), 5.0)  # its follower re-armed
+    trainer.proc.kill()
+    assert wait_until(lambda: len(stub.requests) >= 3, 3.0)
+    assert Counter(stub.flushed_ids()) == dict.fromkeys(IDS, 1)
 
 
 def test_ledger_guard_and_trainer_killed_then_recover(stub: AgentServerStub, start_guard: Callable[..., Guard],

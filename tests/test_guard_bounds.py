@@ -5,8 +5,10 @@ processes, real sockets, a real pids cgroup; every process ended by its pid afte
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import threading
@@ -19,14 +21,15 @@ from pathlib import Path
 import pytest
 
 from swe_flush_sync import recover
+from swe_flush_sync._guard import TAKEOVER_GRACE, _Retrying
 from swe_flush_sync._guard import Guard as GuardDaemon
-from swe_flush_sync._guard import _Retrying
 from swe_flush_sync.testing import AgentServerStub
 
 from .conftest import PYTHON, SECRET, Guard, read_until, spawn, subprocess_env
 from .test_guard_walls import OTHER_UID, a_state, answer, connect, impostor, needs_root, state_line
 from .test_ledger import records
-from .test_watchdog import wait_until
+from .test_ledger_trust import _unshare_works, namespace_init, needs_unshare
+from .test_watchdog import Trainer, wait_until
 
 MAX_THREADS = 64
 PIDS_ROOT = Path("/sys/fs/cgroup/pids")
@@ -212,3 +215,146 @@ def test_lines_are_said_at_most_once_a_minute_per_kind(start_guard: Callable[...
     assert Counter("dropped the connection" in line for line in lines)[True] == 1
     assert "19 more 'dropped connection' line(s) held back" in lines[-1]
     shutil.rmtree(Path(guard.socket).parent, ignore_errors=True)
+
+
+# -- liveness a lock proves; drains that hand over --------------------------------------------------------
+def _guard_in_its_own_namespace(path: str, ledger: Path, *extra: str) -> tuple[subprocess.Popen[str], int]:
+    """A guard as PID 1 of a PID namespace of its own (a sidecar container); (the unshare, the guard's host pid)."""
+    proc = spawn(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", PYTHON, "-m", "swe_flush_sync",
+                  "guard", "--socket", path, "--ledger", str(ledger), *extra],
+                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=subprocess_env(), start_new_session=True)
+    init = namespace_init(proc)
+    assert read_until(proc, lambda line: line.startswith("guarding"), []) is not None
+    return proc, init
+
+
+def _record_keepers(ledger: Path) -> list[str | None]:
+    return sorted(str(json.loads(r.read_text()).get("guard_lock")) for r in records(ledger))
+
+
+LONG_STEP = """
+args = argparse.Namespace(session_server_instance_ids={{1: "{name}-a", 2: "{name}-b"}})
+keeper = watchdog(args, guard={path!r}, until_idle=False)
+print("ARMED", flush=True)
+time.sleep(120)  # one long rollout step: no refresh, no abort
+"""
+
+
+@pytest.mark.parametrize("layout", ["one namespace", "sidecar"])
+def test_a_stopped_trainer_is_never_flushed_across_a_restart(stub: AgentServerStub, short_dir: Path,
+                                                             layout: str) -> None:
+    if layout == "sidecar" and not _unshare_works():
+        pytest.skip("needs root and unshare --pid (a container)")
+    ledger, path = short_dir / "ledger", str(short_dir / "guard.sock")
+    env = {"AGENT_SERVER_URL": stub.url, "HARBOR_ADMIN_SECRET": SECRET}
+
+    def start() -> tuple[subprocess.Popen[str], int]:
+        if layout == "sidecar":
+            return _guard_in_its_own_namespace(path, ledger, "--heartbeat", "0.5")
+        proc = spawn([PYTHON, "-m", "swe_flush_sync", "guard", "--socket", path, "--ledger", str(ledger),
+                      "--heartbeat", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                     env=subprocess_env(**env), start_new_session=True)
+        assert read_until(proc, lambda line: line.startswith("guarding"), []) is not None
+        return proc, proc.pid
+
+    first, first_pid = start()
+    trainer = Trainer(stub, LONG_STEP.format(name="stopped", path=path))
+    trainer.read("ARMED")
+    assert wait_until(lambda: len(records(ledger)) == 1, 5.0)
+    os.kill(trainer.proc.pid, signal.SIGSTOP)  # a Slurm suspend, a debugger: it cannot reconnect
+    try:
+        os.kill(first_pid, signal.SIGKILL)  # the sidecar restarts
+        first.wait(10)
+        second, _ = start()
+        restarted = time.monotonic()
+        # The old rules flushed it after the 5 s grace, or once 3 heartbeats of 0.5 s went stale.
+        window = restarted + TAKEOVER_GRACE + 3 * 0.5 + 2.0
+        while time.monotonic() < window:
+            assert stub.requests == [], "a live, stopped trainer was flushed"
+            time.sleep(0.05)
+    finally:
+        os.kill(trainer.proc.pid, signal.SIGCONT)
+    first_keeper = _record_keepers(ledger)
+    assert wait_until(lambda: _record_keepers(ledger) != first_keeper, 5.0)  # held again, by the new guard
+    trainer.proc.kill()
+    trainer.death()
+    assert wait_until(lambda: sorted(stub.flushed_ids()) == ["stopped-a", "stopped-b"], 5.0)
+    assert second.poll() is None
+
+
+@needs_unshare
+def test_a_trainer_that_died_while_no_guard_ran_is_flushed_at_the_successors_start(stub: AgentServerStub,
+                                                                                    short_dir: Path) -> None:
+    ledger, path = short_dir / "ledger", str(short_dir / "guard.sock")
+    first, first_init = _guard_in_its_own_namespace(path, ledger)
+    trainer = Trainer(stub, LONG_STEP.format(name="orphan", path=path))
+    trainer.read("ARMED")
+    assert wait_until(lambda: len(records(ledger)) == 1, 5.0)
+    os.kill(first_init, signal.SIGKILL)  # the sidecar goes ...
+    first.wait(10)
+    trainer.proc.kill()  # ... and the trainer dies while no guard runs
+    trainer.death()
+    assert stub.requests == []
+    proc = spawn(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", PYTHON, "-m", "swe_flush_sync",
+                  "guard", "--socket", path, "--ledger", str(ledger)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                 env=subprocess_env(AGENT_SERVER_URL=stub.url, HARBOR_ADMIN_SECRET=SECRET), start_new_session=True)
+    assert read_until(proc, lambda line: line.startswith("guarding"), []) is not None
+    started = time.monotonic()
+    assert wait_until(lambda: sorted(stub.flushed_ids()) == ["orphan-a", "orphan-b"], 5.0)
+    assert stub.requests[0].at - started < 1.0
+
+
+def test_a_successor_during_a_drain_flushes_each_death_once_and_no_live_trainer(stub: AgentServerStub,
+                                                                                short_dir: Path,
+                                                                                start_guard: Callable[..., Guard]
+                                                                                ) -> None:
+    ledger = short_dir / "ledger"
+    env = {"AGENT_SERVER_URL": stub.url, "HARBOR_ADMIN_SECRET": SECRET}
+    first = start_guard("--ledger", str(ledger), "--drain", "3", **env)
+    alive = Trainer(stub, LONG_STEP.format(name="alive", path=first.socket))
+    dying = Trainer(stub, LONG_STEP.format(name="dying", path=first.socket))
+    alive.read("ARMED")
+    dying.read("ARMED")
+    first.proc.send_signal(signal.SIGTERM)
+    assert wait_until(lambda: not os.path.exists(first.socket), 5.0)
+    second = start_guard("--ledger", str(ledger), path=first.socket, **env)  # serves at once, mid-drain
+    dying.proc.kill()  # a death during the overlap
+    dying.death()
+    assert wait_until(lambda: sorted(stub.flushed_ids()) == ["dying-a", "dying-b"], 5.0)
+    assert first.proc.wait(10) == 0  # the drain ended: its live trainer handed over
+    assert "handed over trainers" in first.stderr()
+
+    def held_by_second() -> bool:
+        out = subprocess.run([PYTHON, "-m", "swe_flush_sync", "guard", "--socket", second.socket, "--status"],
+                             capture_output=True, text=True, env=subprocess_env(), timeout=30)
+        return out.stdout.startswith(f"guard pid {second.proc.pid}, 1 trainers")
+
+    assert wait_until(held_by_second, 5.0)
+    window = time.monotonic() + TAKEOVER_GRACE + 1.0  # past the grace the old rules gave a predecessor's record
+    while time.monotonic() < window:
+        time.sleep(0.05)
+    assert Counter(stub.flushed_ids()) == {"dying-a": 1, "dying-b": 1}  # once each, and the live one never
+    alive.proc.kill()
+    assert wait_until(lambda: len(stub.requests) >= 4, 5.0)
+    assert Counter(stub.flushed_ids()) == {"dying-a": 1, "dying-b": 1, "alive-a": 1, "alive-b": 1}
+
+
+def test_an_update_during_a_drain_is_held_and_flushed(stub: AgentServerStub,
+                                                      start_guard: Callable[..., Guard]) -> None:
+    guard = start_guard("--drain", "20")
+    trainer = Trainer(stub, f"""
+        keeper = watchdog(args, guard={guard.socket!r}, until_idle=False)
+        print("ARMED", flush=True)
+        sys.stdin.readline()
+        args.session_server_instance_id = "added-while-draining"
+        print("REFRESHED", keeper.refresh(), flush=True)
+        time.sleep(60)
+    """, stdin=True)
+    trainer.read("ARMED")
+    guard.proc.send_signal(signal.SIGTERM)
+    assert wait_until(lambda: not os.path.exists(guard.socket), 5.0)  # draining
+    trainer.go_on()
+    assert trainer.read("REFRESHED")[1] == "True"  # held, not refused
+    trainer.proc.kill()
+    assert guard.proc.wait(10) == 0
+    assert sorted(stub.flushed_ids()) == ["added-while-draining", "wd-a", "wd-b"]
