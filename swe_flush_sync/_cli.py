@@ -28,7 +28,7 @@ from . import __version__
 from ._auth import StaticBearer
 from ._errors import ConfigError, FlushError
 from ._flusher import Flusher
-from ._guard import DEFAULT_DRAIN, guard_status, run_guard
+from ._guard import DEFAULT_DRAIN, DEFAULT_MAX_HELD, guard_status, run_guard
 from ._guard_client import ImpostorError
 from ._guard_metrics import parse_address
 from ._ledger import recover
@@ -188,6 +188,9 @@ def _guard_parser() -> _Parser:
     parser.add_argument("--metrics", metavar="[HOST:]PORT",
                         help="serve Prometheus metrics at http://HOST:PORT/metrics (HOST defaults to 127.0.0.1; "
                              "needs the metrics extra)")
+    parser.add_argument("--max-held", type=int, default=DEFAULT_MAX_HELD >> 20, metavar="MIB",
+                        help=f"memory all held trainer states may take, counted as twice their lines (default "
+                             f"{DEFAULT_MAX_HELD >> 20}); past it a new or grown state is refused with the reason")
     parser.add_argument("--heartbeat", type=float, default=DEFAULT_HEARTBEAT, metavar="SECONDS",
                         help=f"seconds between two rewrites of a trainer's ledger record (default "
                              f"{DEFAULT_HEARTBEAT:g}); a record is stale after three")
@@ -212,11 +215,13 @@ def _run_guard(ns: argparse.Namespace) -> int:
         return EXIT_OK
     if not ns.drain >= 0:
         raise ConfigError("--drain must be a number of seconds, 0 or more")
+    if not 1 <= ns.max_held <= 1 << 20:
+        raise ConfigError("--max-held must be a number of MiB from 1 to 1048576")
     if not 0.1 <= ns.heartbeat <= 3600:
         raise ConfigError("--heartbeat must be a number of seconds from 0.1 to 3600")
     metrics = parse_address(ns.metrics) if ns.metrics is not None else None
     with _logging_to_stderr(_verbosity(ns.verbose)):
-        return run_guard(ns.socket, ns.ledger, ns.drain, ns.heartbeat, metrics)
+        return run_guard(ns.socket, ns.ledger, ns.drain, ns.heartbeat, metrics, max_held=ns.max_held << 20)
 
 
 def _add_tls(parser: _Parser) -> None:

@@ -29,6 +29,7 @@ import fcntl
 import functools
 import logging
 import os
+import queue
 import re
 import resource
 import secrets
@@ -44,6 +45,7 @@ from typing import Any, Final, NamedTuple
 from ._errors import ConfigError
 from ._guard_client import PEERCRED, ImpostorError, connect_to_guard
 from ._guard_metrics import GuardMetrics
+from ._guard_parser import ParserProcess
 from ._guard_pool import DEFAULT_FLUSH_WORKERS, WorkPool
 from ._ledger import Place, Record, recover_with
 from ._liveness import UNSUPPORTED, guard_lock_path, hold, is_held, release, trainer_lock_path
@@ -57,6 +59,7 @@ from ._watchdog_process import (
     DEFAULT_HEARTBEAT,
     MAX_IDS,
     STATUS,
+    BadLine,
     Channel,
     WatchLoop,
     io_error,
@@ -69,6 +72,9 @@ log = logging.getLogger(__name__)
 DEFAULT_DRAIN: Final = 30.0  # seconds: a pod's default termination grace period
 RECOVER_INTERVAL: Final = 2.0  # seconds between two recovers of the ledger's gone owners
 TAKEOVER_GRACE: Final = 5.0  # seconds a restarted guard waits for a predecessor's lockless trainers to reconnect
+SWITCH_INTERVAL: Final = 0.0005  # seconds a thread holds the GIL before another may take it (Python's: 0.005)
+DEFAULT_MAX_HELD: Final = 256 << 20  # bytes all held states may take (--max-held), counted as HELD_COST x their lines
+HELD_COST: Final = 2  # what a held state costs in memory, in bytes of its line: its parsed ids and bearers
 LOCK_RECHECK_MAX: Final = 1.0  # seconds between two looks at the lock of a trainer whose connection ended
 STATUS_TIMEOUT: Final = 2.0  # seconds ``--status`` waits for an answer
 FD_RESERVE: Final = 256  # descriptors never given to peers: flushes, the ledger, stderr
@@ -115,6 +121,16 @@ class _Lines:
             held_back, self._held_back = self._held_back, collections.Counter()
         for kind, count in sorted(held_back.items()):
             self._say(f"{count} more '{kind}' line(s) held back (at most one a minute is said)")
+
+
+class _Peer:
+    """What the guard counts for one connection: its held state's cost, and what was said of it."""
+
+    __slots__ = ("held", "said_options")
+
+    def __init__(self) -> None:
+        self.held = 0  # bytes of the budget its held state takes
+        self.said_options = False
 
 
 class _Retrying(NamedTuple):
@@ -235,13 +251,16 @@ class Guard:
 
     def __init__(self, path: str, ledger: str | None = None, drain: float = DEFAULT_DRAIN,
                  heartbeat: float = DEFAULT_HEARTBEAT, metrics: bool = False,
-                 flush_workers: int = DEFAULT_FLUSH_WORKERS) -> None:
+                 flush_workers: int = DEFAULT_FLUSH_WORKERS, max_held: int = DEFAULT_MAX_HELD) -> None:
         self.path = path
         self.ledger = ledger
         self.drain = drain
         self.heartbeat = heartbeat
         self.loop = WatchLoop(self._ended)
         self._stderr = _SerialWorker("swe-flush-guard-stderr", limit=MAX_QUEUED_LINES)
+        self._parser = _SerialWorker("swe-flush-guard-parse")  # long lines: sent to the parser process
+        self._parser_process = ParserProcess()
+        self._parsed: queue.SimpleQueue[tuple[Channel, dict[str, Any] | BadLine, int]] = queue.SimpleQueue()
         self._writer = _SerialWorker("swe-flush-guard-ledger") if ledger is not None else None
         self._ledger_said: str | None = None
         self._listener: socket.socket | None = None
@@ -250,14 +269,18 @@ class Guard:
         self._life_lock: tuple[int, str] | None = None  # this guard's own lock while it lives (records name it)
         self._connected: collections.Counter[str] = collections.Counter()  # tokens of the trainers held now
         self._handed_over: set[Channel] = set()  # closed by this guard at the end of its drain: not dead
+        self.max_held = max_held
+        self._held_bytes = 0  # of the budget, over all held states (the dead ones' until their flush ends)
+        self._peers: dict[Channel, _Peer] = {}
         self._lines = _Lines(self.say)
         self._flushes = WorkPool("swe-flush-guard-flush", flush_workers, self.say)
         self._flushing: set[Channel] = set()  # dead trainers whose flush runs, waits or waits to be retried
-        self._flushing_lock = threading.Lock()
+        self._books = threading.Lock()  # _flushing and the budget: the loop and the flush workers change them
         self._started = time.monotonic()
         self._stopping_since: float | None = None
         self._stop = threading.Event()
         self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_write, False)  # a full pipe wakes the loop already: a write never waits
         self._paused_until: float | None = None
         self._path_checked_at = time.monotonic()
         self.max_peers = 0
@@ -266,6 +289,7 @@ class Guard:
 
     # -- starting ------------------------------------------------------------------------
     def bind(self) -> None:
+        sys.setswitchinterval(SWITCH_INTERVAL)  # a parse or a flush never keeps the loop off the GIL for long
         """Take the path (one guard per path, decided by a lock), replace a stale socket, listen (0600)."""
         if len(os.fsencode(self.path)) > MAX_SOCKET_PATH:
             raise GuardError(f"{shown(self.path)}: a Unix socket path is at most {MAX_SOCKET_PATH} bytes")
@@ -284,6 +308,10 @@ class Guard:
         self._take_lock()
         self._take_path()
         self._listen()
+        try:
+            self._parser_process.start()
+        except OSError as exc:  # tried again with the first long line
+            self.say(f"cannot start the parser process ({exc.strerror or exc}); tried again when a long line comes")
         life_lock = guard_lock_path(self.path, secrets.token_hex(8))
         with contextlib.suppress(OSError):  # without it, its records are judged by the older rules
             self._life_lock = (hold(life_lock), life_lock)
@@ -426,9 +454,37 @@ class Guard:
             return
         fd = conn.detach()
         os.set_blocking(fd, False)
-        self.loop.add(Channel(fd, fd, pid, strict=True, ledger=self.ledger, heartbeat=self.heartbeat,
-                              check=functools.partial(self._checked, pid=pid, said=[]), status=self._status,
-                              ledger_io=self._ledger_io, locks=self._record_locks))
+        peer = _Peer()
+        channel = Channel(fd, fd, pid, strict=True, ledger=self.ledger, heartbeat=self.heartbeat,
+                          check=functools.partial(self._checked, pid=pid, peer=peer), status=self._status,
+                          ledger_io=self._ledger_io, locks=self._record_locks, offload=self._offload)
+        self._peers[channel] = peer
+        self.loop.add(channel)
+
+    def _over_budget(self, cost: int, peer: _Peer) -> str | None:
+        """Why a state that costs ``cost`` cannot be held for ``peer`` now, or None."""
+        if cost > peer.held and self._held_bytes + cost - peer.held > self.max_held:
+            return (f"the guard's budget for held states ({self.max_held >> 20} MiB, --max-held) is spent: this "
+                    f"state needs {max(cost >> 20, 1)} MiB; a smaller state is held, or another guard")
+        return None
+
+    def _offload(self, channel: Channel, line: bytearray) -> None:
+        """Parse a long line on the parse thread (one past the budget is refused unparsed); the loop
+        reads that peer no more until it is back."""
+        self.loop.pause(channel)
+        peer = self._peers.get(channel)
+        over = self._over_budget(HELD_COST * len(line), peer) if peer is not None else None
+        if over is not None:
+            self._parsed.put((channel, BadLine(over), len(line)))
+            os.write(self._wake_write, b"p")
+            return
+        self._parser.submit(functools.partial(self._parse, channel, line))
+
+    def _parse(self, channel: Channel, line: bytearray) -> None:
+        """On the parse thread: parse in the parser process, then hand the result to the loop (woken)."""
+        self._parsed.put((channel, self._parser_process.parse(line), len(line)))
+        with contextlib.suppress(OSError):
+            os.write(self._wake_write, b"p")
 
     def _trainer_lock(self, state: dict[str, Any] | None) -> str | None:
         """The lock file of the trainer with ``state``, as this guard sees it (None: it holds none)."""
@@ -481,18 +537,30 @@ class Guard:
             if self._listener is not None:
                 self.loop.watch(self._listener.fileno(), self._accept)
 
-    def _checked(self, state: dict[str, Any], first: bool, pid: int, said: list[str]) -> dict[str, Any]:
-        """A state as the guard holds it; a draining guard refuses new trainers only (held ones update)."""
+    def _checked(self, state: dict[str, Any], first: bool, size: int, pid: int, peer: _Peer) -> dict[str, Any]:
+        """A state as the guard holds it; a draining guard refuses new trainers only (held ones update),
+        and past the budget a new or grown state is refused (the last one held stays held)."""
         if self._stopping_since is not None and first:
             raise ValueError("the guard is stopping (draining); arm against the next one")
         state, dropped = checked_state(state)
+        cost = HELD_COST * size
+        with self._books:
+            over = self._over_budget(cost, peer)
+            if over is not None:
+                raise ValueError(over)
+            self._held_bytes += cost - peer.held
+            peer.held = cost
         if first and isinstance(state.get("trainer"), str):
             self._connected[state["trainer"]] += 1
-        if dropped and not said:  # once per connection
-            said.append("options")
+        if dropped and not peer.said_options:  # once per connection
+            peer.said_options = True
             self.say(f"trainer pid {pid} sent options this guard does not know, dropped: "
                      f"{shown(', '.join(dropped))} (upgrade the guard)")
         return state
+
+    def held_bytes(self) -> int:
+        """Bytes of the budget taken now (``max_held`` at most)."""
+        return self._held_bytes
 
     def _status(self) -> bytes:
         return b"%d%s" % (self.trainers(), b" draining" if self._stopping_since is not None else b"")
@@ -510,6 +578,7 @@ class Guard:
                 del self._connected[channel.token]
         if channel in self._handed_over:  # alive (its lock is held): its record stays for the successor
             self._handed_over.discard(channel)
+            self._release(channel)
             return
         if channel.error is not None:
             self._lines.say("dropped connection",
@@ -517,10 +586,12 @@ class Guard:
             if self.metrics is not None:
                 self.metrics.dropped.labels("bad_message").inc()
             channel.settle(None)
+            self._release(channel)
         elif channel.disarmed or channel.state is None:
             channel.settle(None)
+            self._release(channel)
         else:
-            with self._flushing_lock:
+            with self._books:
                 self._flushing.add(channel)
             self._flushes.submit(functools.partial(self._flush_once_gone, channel, time.monotonic(), 0.01))
 
@@ -589,12 +660,26 @@ class Guard:
 
     def _done(self, channel: Channel) -> None:
         self._retrying.discard(channel)
-        with self._flushing_lock:
+        with self._books:
             self._flushing.discard(channel)
+        self._release(channel)
+
+    def _release(self, channel: Channel) -> None:
+        """The channel's state is no longer held (its flush ended, or it needs none): its budget is free."""
+        peer = self._peers.pop(channel, None)
+        if peer is not None:
+            with self._books:
+                self._held_bytes -= peer.held
 
     def _woken(self) -> None:
         with contextlib.suppress(OSError):
             os.read(self._wake_read, 512)
+        while True:
+            try:
+                channel, parsed, size = self._parsed.get_nowait()
+            except queue.Empty:
+                break
+            self.loop.take_parsed(channel, parsed, size)
         if self._stop.is_set() and self._stopping_since is None:
             self._stopping_since = time.monotonic()
             self._give_up_path()  # a successor binds at once; the trainers held here stay held until the drain ends
@@ -611,6 +696,7 @@ class Guard:
         if self._life_lock is not None:
             release(*self._life_lock)
             self._life_lock = None
+        self._parser_process.close()
         self._lines.say_held_back()
         if self._writer is not None:
             self._writer.drain(1.0)
@@ -675,9 +761,14 @@ class Guard:
                      "guarding goes on")
         options = FlushOptions(until_idle=True, linger=0.0)
         while not self._stop.is_set():
+            claimed: list[int] = []
             try:
-                recover_with(self.ledger or "", None, os.environ, options, judge=self._judge,
-                             on_claimed=self.metrics.recovered.inc if self.metrics is not None else None)
+                report = recover_with(self.ledger or "", None, os.environ, options, judge=self._judge,
+                                      on_claimed=claimed.append, quiet=True)
+                if claimed:
+                    self._say_recovered(claimed[0], report)
+                elif report.error:
+                    self._lines.say("recover", f"recovering the ledger: {report.error}")
             except ConfigError as exc:
                 if not said_no_server:
                     said_no_server = True
@@ -685,6 +776,13 @@ class Guard:
             except Exception as exc:  # noqa: BLE001 - a recover that fails must not stop the guard
                 self.say(f"recovering the ledger failed: {type(exc).__name__}")
             self._stop.wait(RECOVER_INTERVAL)
+
+    def _say_recovered(self, records: int, report: FlushReport) -> None:
+        """A recover pass that claimed records: a line like a trainer's death, and the flush metrics."""
+        if self.metrics is not None:
+            self.metrics.recovered.inc(records)
+            self.metrics.flushed(report)
+        self.say(f"recovered {records} record(s) of trainers gone; {report.summary()}")
 
     def _judge(self, record: Record, gone: bool) -> bool:
         """A trainer connected to this guard is never gone; a record the locks decide is as they say;
@@ -740,13 +838,13 @@ def guard_status(path: str) -> GuardStatus | None:
 
 
 def run_guard(path: str, ledger: str | None, drain: float, heartbeat: float = DEFAULT_HEARTBEAT,
-              metrics: tuple[str, int] | None = None) -> int:
+              metrics: tuple[str, int] | None = None, max_held: int = DEFAULT_MAX_HELD) -> int:
     """``swe-flush guard``: bind, say ``guarding PATH``, serve until SIGTERM or SIGINT, drain; the exit code.
 
     Raises:
         ConfigError: ``metrics`` asked for without the ``metrics`` extra.
     """
-    guard = Guard(path, ledger, drain, heartbeat, metrics=metrics is not None)
+    guard = Guard(path, ledger, drain, heartbeat, metrics=metrics is not None, max_held=max_held)
     try:
         guard.bind()
         where = ""

@@ -405,9 +405,19 @@ def recover(ledger: str, *, servers: str | Iterable[str] | None = None, environ:
 
 def recover_with(ledger: str, servers: str | Iterable[str] | None, environ: Mapping[str, str] | None,
                  flush_options: FlushOptions, judge: Judge | None = None,
-                 on_claimed: Callable[[int], None] | None = None) -> FlushReport:
+                 on_claimed: Callable[[int], None] | None = None, quiet: bool = False) -> FlushReport:
     """``recover`` with its options built, ``judge`` deciding which records are gone and
-    ``on_claimed`` told how many records were claimed, once they are flushed and settled (a guard's)."""
+    ``on_claimed`` told how many records were claimed, once they are flushed and settled (a guard's,
+    which is also ``quiet``: it logs nothing and says its own lines)."""
+    report = _recover(ledger, servers, environ, flush_options, judge, on_claimed)
+    if not quiet and (report.results or report.error):
+        log_report(report)
+    return report
+
+
+def _recover(ledger: str, servers: str | Iterable[str] | None, environ: Mapping[str, str] | None,
+             flush_options: FlushOptions, judge: Judge | None,
+             on_claimed: Callable[[int], None] | None) -> FlushReport:
     if not isinstance(ledger, str) or not ledger.strip() or "\0" in ledger:
         raise ConfigError("ledger must be a directory path (a non-empty str)")
     env = os.environ if environ is None else environ
@@ -420,18 +430,16 @@ def recover_with(ledger: str, servers: str | Iterable[str] | None, environ: Mapp
         return FlushReport(elapsed=time.monotonic() - started)
     problem = directory_problem(ledger)
     if problem is not None:
-        return _logged(FlushReport(elapsed=time.monotonic() - started,
-                                   error=f"the ledger directory {shown(ledger)} {problem}: nothing in it was "
-                                         "flushed or moved"))
+        return FlushReport(elapsed=time.monotonic() - started,
+                           error=f"the ledger directory {shown(ledger)} {problem}: nothing in it was flushed or moved")
     try:
         book = _Ledger(ledger, urls, judge)
         claimed = book.candidates(time.time())
     except OSError as exc:
-        return _logged(FlushReport(elapsed=time.monotonic() - started,
-                                   error=f"the ledger cannot be read: {exc.strerror or type(exc).__name__}"))
+        return FlushReport(elapsed=time.monotonic() - started,
+                           error=f"the ledger cannot be read: {exc.strerror or type(exc).__name__}")
     if not claimed:
-        return _logged(FlushReport(elapsed=time.monotonic() - started, error=book.skipped())) if book.skipped() \
-            else FlushReport(elapsed=time.monotonic() - started)
+        return FlushReport(elapsed=time.monotonic() - started, error=book.skipped())
     if flush_options.bearer_provider is None:
         flush_options = dataclasses.replace(flush_options, bearer=resolve_bearer(env))
     report = _flush_records([record for _, record in claimed], flush_options)
@@ -439,13 +447,8 @@ def recover_with(ledger: str, servers: str | Iterable[str] | None, environ: Mapp
     if on_claimed is not None:
         on_claimed(len(claimed))  # after the flush and the records settled
     skipped = book.skipped()
-    return _logged(FlushReport(results=report.results, elapsed=time.monotonic() - started,
-                               error="; ".join([*set_aside, *([skipped] if skipped else [])]) or None))
-
-
-def _logged(report: FlushReport) -> FlushReport:
-    log_report(report)
-    return report
+    return FlushReport(results=report.results, elapsed=time.monotonic() - started,
+                       error="; ".join([*set_aside, *([skipped] if skipped else [])]) or None)
 
 
 def _flush_records(records: list[Record], options: FlushOptions) -> FlushReport:

@@ -39,6 +39,7 @@ RECORD_VERSION: Final = 1
 # guard's version in "held", "refused", and strings that hold no raw backslash-quote (see encode_state).
 PROTOCOL: Final = 2
 MAX_IDS: Final = 100_000  # ids in one state
+OFFLOAD_BYTES: Final = 64 << 10  # a guard parses a longer line on a worker thread, not on its loop
 MAX_STATE_BYTES: Final = 32 << 20  # a control line, and so a ledger record, is at most this long
 MAX_STRINGS: Final = 3 * MAX_IDS + 4096  # ids, and each id's bearer with its key, and the rest
 MAX_ITEMS: Final = 2 * MAX_IDS + 4096  # commas outside strings: list items and object members
@@ -248,6 +249,28 @@ def _detach() -> None:
         pass
 
 
+class BadLine(ValueError):
+    """A line that cannot be taken; the message says why (never its content)."""
+
+
+def parse_line(line: bytes | bytearray, strict: bool) -> dict[str, Any]:
+    """The message of one line; ``strict`` (a guard's peers): shape-checked first (``shape_problem``).
+
+    Raises:
+        BadLine: what is wrong with it.
+    """
+    problem = shape_problem(line) if strict else None
+    if problem is not None:
+        raise BadLine(problem)
+    try:
+        message = json.loads(line)
+    except (ValueError, RecursionError):
+        raise BadLine("a line that is not JSON") from None
+    if not isinstance(message, dict):
+        raise BadLine("a message that is not an object")
+    return message
+
+
 LedgerIO = Callable[["Channel", Callable[[], None]], None]
 """Runs one channel's record I/O (a write or a removal): a guard queues it on a writer thread."""
 
@@ -266,9 +289,10 @@ class Channel:
 
     def __init__(self, read_fd: int, reply_fd: int, trainer_pid: int, *, strict: bool = False,
                  ledger: str | None = None, heartbeat: float = DEFAULT_HEARTBEAT,
-                 check: Callable[[dict[str, Any], bool], dict[str, Any]] | None = None,
+                 check: Callable[[dict[str, Any], bool, int], dict[str, Any]] | None = None,
                  ledger_io: LedgerIO | None = None, status: Callable[[], bytes] | None = None,
-                 locks: Callable[[dict[str, Any]], dict[str, str | None]] | None = None) -> None:
+                 locks: Callable[[dict[str, Any]], dict[str, str | None]] | None = None,
+                 offload: Callable[[Channel, bytearray], None] | None = None) -> None:
         self.read_fd = read_fd
         self.reply_fd = reply_fd
         self.trainer_pid = trainer_pid
@@ -279,6 +303,8 @@ class Channel:
         self._ledger_io = ledger_io
         self._status = status
         self._locks = locks
+        self._offload = offload  # a guard parses lines over OFFLOAD_BYTES on a worker: the loop never waits on one
+        self.parsing = False  # a line of this channel is being parsed elsewhere: the lines after it wait
         self.state: dict[str, Any] | None = None
         self.ledger: _RecordKeeper | None = None
         self.disarmed = False
@@ -315,14 +341,19 @@ class Channel:
             chunk, self._skipping = chunk[end + 1:], False
         start = len(self.pending)
         self.pending += chunk
-        end = self.pending.find(b"\n", start)  # only the new bytes are searched: no quadratic rescans
-        while end >= 0:
+        return self._take_lines(start)
+
+    def _take_lines(self, start: int = 0) -> bool:
+        """Take the lines ended in ``pending`` (searched from ``start``: no quadratic rescans) until one
+        goes to be parsed elsewhere; False when the channel ends."""
+        end = self.pending.find(b"\n", start)
+        while end >= 0 and not self.parsing:
             line = self.pending[:end]
             del self.pending[:end + 1]
             if not self._take_guarded(line):
                 return False
             end = self.pending.find(b"\n")
-        if len(self.pending) > MAX_STATE_BYTES:
+        if len(self.pending) > MAX_STATE_BYTES and not self.parsing:
             self.pending.clear()
             self._skipping = True
             return self._bad(f"a line over {MAX_STATE_BYTES} bytes")
@@ -351,15 +382,31 @@ class Channel:
         """Apply one line; False when the channel ends (disarm, or a strict channel's bad line)."""
         if line.endswith(CANCEL) or not line:
             return True  # a line the trainer could write only in part and then ended: the next one replaces it
-        problem = shape_problem(line) if self.strict else None
-        if problem is not None:
-            return self._bad(problem)
+        if self._offload is not None and len(line) > OFFLOAD_BYTES:
+            self.parsing = True
+            self._offload(self, line)  # a copy of its own; taken back by take_parsed, on the loop's thread
+            return True
         try:
-            message = json.loads(line)
-        except (ValueError, RecursionError):
-            return self._bad("a line that is not JSON")
-        if not isinstance(message, dict):
-            return self._bad("a message that is not an object")
+            message = self.parse(line)
+        except BadLine as exc:
+            return self._bad(str(exc))
+        return self._apply(message, len(line))
+
+    def parse(self, line: bytes | bytearray) -> dict[str, Any]:
+        """``parse_line`` as this channel checks lines (any thread: it touches nothing of the channel's)."""
+        return parse_line(line, self.strict)
+
+    def take_parsed(self, parsed: dict[str, Any] | BadLine, size: int) -> bool:
+        """Apply a line parsed elsewhere, then the lines that waited behind it; False when the channel ends."""
+        self.parsing = False
+        try:
+            alive = self._bad(str(parsed)) if isinstance(parsed, BadLine) else self._apply(parsed, size)
+        except Exception as exc:  # noqa: BLE001 - what a peer sends never stops the loop
+            alive = self._bad(f"a message that raised {type(exc).__name__}")
+        return alive and self._take_lines()
+
+    def _apply(self, message: dict[str, Any], size: int) -> bool:
+        """Apply one parsed message; False when the channel ends."""
         if message.get("disarm") is True:
             self.disarmed = True
             return False
@@ -371,7 +418,7 @@ class Channel:
             return self._bad("a message of the wrong shape")
         if self._check is not None:
             try:
-                state = self._check(state, self.state is None)
+                state = self._check(state, self.state is None, size)
             except ValueError as exc:
                 return self._bad(f"a state it refused: {exc}", told=str(exc))
         if self.token is not None and state.get("trainer") != self.token:
@@ -504,6 +551,27 @@ class WatchLoop:
     def unwatch(self, fd: int) -> None:
         with contextlib.suppress(KeyError, ValueError):
             self.selector.unregister(fd)
+
+    def pause(self, channel: Channel) -> None:
+        """Read no more of ``channel`` until ``resume`` (a line of it is parsed elsewhere meanwhile)."""
+        self.unwatch(channel.read_fd)
+
+    def resume(self, channel: Channel) -> None:
+        if channel in self.channels:
+            with contextlib.suppress(KeyError, ValueError):
+                self.selector.register(channel.read_fd, selectors.EVENT_READ, channel)
+
+    def take_parsed(self, channel: Channel, parsed: dict[str, Any] | BadLine, size: int) -> None:
+        """Hand ``channel`` a line parsed elsewhere (on the loop's thread) and read it again, or end it."""
+        if channel not in self.channels:
+            return  # ended meanwhile
+        before = len(channel.pending)
+        alive = channel.take_parsed(parsed, size)
+        self.pending += len(channel.pending) - before
+        if not alive:
+            self.end(channel)
+        elif not channel.parsing:
+            self.resume(channel)
 
     def end(self, channel: Channel) -> None:
         self.unwatch(channel.read_fd)

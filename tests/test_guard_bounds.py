@@ -358,3 +358,52 @@ def test_an_update_during_a_drain_is_held_and_flushed(stub: AgentServerStub,
     trainer.proc.kill()
     assert guard.proc.wait(10) == 0
     assert sorted(stub.flushed_ids()) == ["added-while-draining", "wd-a", "wd-b"]
+
+
+def _hwm_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        return int(next(line.split()[1] for line in status if line.startswith("VmHWM:"))) / 1024
+
+
+def test_large_states_stay_within_the_budget_and_delay_no_death(start_guard: Callable[..., Guard]) -> None:
+    budget = 128  # MiB: two 28 MiB states (each counted twice); 1.0.0 held all eight
+    guard = start_guard("--max-held", str(budget))
+    big = [state_line(a_state(ids=[f"big{n}-{i:06d}-" + "x" * 270 for i in range(100_000)], trainer=_token(n)))
+           for n in range(8)]
+    assert all(27 << 20 < len(line) < 29 << 20 for line in big)
+    with AgentServerStub() as stub:
+        victims = []
+        for number in range(4):
+            victim = connect(guard.socket)
+            victim.sendall(state_line(a_state(urls=[stub.url], ids=[f"victim-{number}"], trainer=_token(100 + number))))
+            assert answer(victim).startswith(b"held")
+            victims.append(victim)
+        answers: list[bytes] = []
+        peers: list[socket.socket] = []
+
+        def arrive() -> None:
+            for line in big:  # one after another, as trainers arm
+                peer = connect(guard.socket)
+                peers.append(peer)
+                peer.sendall(line)
+                answers.append(answer(peer))
+
+        sender = threading.Thread(target=arrive)
+        sender.start()
+        late = []
+        for number, victim in enumerate(victims):
+            assert wait_until(lambda n=number: len(answers) > n or not sender.is_alive(), 60.0)
+            died = time.monotonic()
+            victim.close()  # a death while the large states arrive
+            assert wait_until(lambda n=number: f"victim-{n}" in stub.flushed_ids(), 5.0)
+            first = next(r.at for r in stub.requests if r.instance_id == f"victim-{number}") - died
+            if first >= 0.1:
+                late.append(round(first, 3))
+        sender.join(60)
+        for peer in peers:
+            peer.close()
+    assert late == [], f"deaths flushed 0.1 s or more after they happened: {late}"
+    held = [said for said in answers if said.startswith(b"held")]
+    assert len(held) == 2 and all(b"budget for held states (128 MiB" in said for said in answers if said not in held)
+    # The margin: the interpreter, and one line at a time read, copied and parsed (about 4 x 32 MiB).
+    assert _hwm_mib(guard.proc.pid) < budget + 160, _hwm_mib(guard.proc.pid)

@@ -95,6 +95,13 @@ def test_recovered_records_are_counted(stub: AgentServerStub, start_guard: Calla
                         HARBOR_ADMIN_SECRET=SECRET)
     assert wait_until(lambda: value(scrape(guard), "swe_flush_guard_records_recovered_total") == 1, 15.0)
     assert sorted(stub.flushed_ids()) == ["lost-a", "lost-b"] and records(ledger) == []
+    samples = scrape(guard)  # counted like a trainer's death: the flush, its pairs, its trials
+    assert value(samples, "swe_flush_guard_flushes_total", outcome="ok") == 1
+    assert value(samples, "swe_flush_guard_pairs_total", outcome="ok") == 2
+    guard.proc.terminate()
+    assert guard.proc.wait(15) == 0
+    err = guard.stderr()  # and said in one line
+    assert err.count("recovered 1 record(s) of trainers gone; flushed 2/2 targets") == 1, err
 
 
 def test_without_the_extra_the_guard_says_what_to_install(short_dir: Path) -> None:
