@@ -10,7 +10,9 @@ kill to the first flush request of each of the 10 (median and worst).
 Then the hostile rows, each against a fresh guard: 50 peers each sending a line just under the
 per-line bound (32 MiB) at once, and 1,100 idle connections to a guard whose descriptor limit is
 1,024; in each, one trainer is SIGKILLed in the middle of it (the time to its first flush
-request), and the guard's peak RSS and CPU are read from /proc. Writes ``benchmarks/guard.md``.
+request), and the guard's peak RSS and CPU are read from /proc. Then the bounded parts: death to
+first flush request beside 50 peers sending garbage, the guard's threads after 200 deaths whose
+flushes retry, and its memory while 8 states of 28 MiB arrive. Writes ``benchmarks/guard.md``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import threading
 import time
 from pathlib import Path
 
+from swe_flush_sync._watchdog_process import PROTOCOL, encode_state
 from swe_flush_sync.testing import AgentServerStub
 
 RESULTS = Path(__file__).with_name("guard.md")
@@ -123,6 +126,92 @@ def _hostile(stub: AgentServerStub, folder: str, kind: str) -> tuple[float, floa
         guard.wait()
 
 
+def _peer_state(urls: list[str], ids: list[str], number: int) -> bytes:
+    """One trainer's state line, as a trainer of this version sends it."""
+    state = {"urls": urls, "ids": ids, "tokens": None, "options": {"until_idle": False}, "trainer": f"{number:032x}"}
+    return b'{"seq": 1, "v": %d, "state": %s}\n' % (PROTOCOL, encode_state(state))
+
+
+def _held(path: str, line: bytes) -> socket.socket:
+    peer = socket.socket(socket.AF_UNIX)
+    peer.connect(path)
+    peer.sendall(line)
+    peer.settimeout(30)
+    assert peer.recv(4096).startswith(b"held")
+    return peer
+
+
+def _flood(path: str, stop: threading.Event) -> None:
+    """A same-uid peer gone wrong: a bad line, again and again, until ``stop``."""
+    while not stop.is_set():
+        with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as peer:
+            peer.connect(path)
+            peer.sendall(b"not json\n")
+            peer.recv(4096)
+
+
+def _bounded(stub: AgentServerStub, folder: str) -> dict[str, str]:
+    """The rows of issue 39, each against a fresh guard: death to first request beside 50 garbage peers,
+    threads after 200 deaths whose flushes retry, and memory with 8 states of 28 MiB arriving."""
+    rows: dict[str, str] = {}
+    for kind in ("garbage", "retrying", "large"):
+        path = os.path.join(folder, f"{kind}.sock")
+        guard = subprocess.Popen([sys.executable, "-m", "swe_flush_sync", "guard", "--socket", path],
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        stop = threading.Event()
+        flooders: list[threading.Thread] = []
+        try:
+            assert guard.stdout is not None and guard.stdout.readline().startswith("guarding ")
+            if kind == "garbage":
+                held = [_held(path, _peer_state([stub.url], [f"g-{n}"], n)) for n in range(100)]
+                flooders = [threading.Thread(target=_flood, args=(path, stop)) for _ in range(50)]
+                for flooder in flooders:
+                    flooder.start()
+                time.sleep(1.0)
+                firsts = []
+                for number in range(0, 100, 10):
+                    stub.clear_requests()
+                    killed = time.monotonic()
+                    held[number].close()
+                    end = time.monotonic() + 5
+                    while not stub.requests and time.monotonic() < end:
+                        time.sleep(0.001)
+                    firsts.append((stub.requests[0].at - killed) * 1000 if stub.requests else float("nan"))
+                rows[kind] = f"{statistics.median(firsts):.1f} ms / {max(firsts):.1f} ms"
+                for peer in held:
+                    peer.close()
+            elif kind == "retrying":
+                down = AgentServerStub().start()
+                down.stop()
+                for number in range(200):
+                    _held(path, _peer_state([down.url], [f"r-{number}"], number)).close()
+                time.sleep(3.0)  # the first attempts failed; retries wait on the heap
+                with open(f"/proc/{guard.pid}/status") as status:
+                    rows[kind] = next(line.split()[1] for line in status if line.startswith("Threads:"))
+            else:
+                peers = []
+                answers = []
+                for number in range(8):
+                    line = _peer_state([], [f"big{number}-{i:06d}-" + "x" * 270 for i in range(100_000)], number)
+                    peer = socket.socket(socket.AF_UNIX)
+                    peer.connect(path)
+                    peer.sendall(line)
+                    answers.append(peer.recv(4096))
+                    peers.append(peer)
+                held_count = sum(answer.startswith(b"held") for answer in answers)
+                rows[kind] = (f"{held_count} of 8 held, peak RSS {_rss_mib(guard.pid, 'VmHWM'):.0f} MiB, "
+                              f"RSS {_rss_mib(guard.pid):.0f} MiB")
+                for peer in peers:
+                    peer.close()
+        finally:
+            stop.set()
+            for flooder in flooders:
+                flooder.join(10)
+            guard.kill()
+            guard.wait()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.guard", description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=5, help="trainer processes killed one after another (max 10)")
@@ -168,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                 worsts.append(max(first_per_trainer.values()))
                 time.sleep(0.5)  # the 0.2 s teardowns end before the next kill
             hostile = {kind: _hostile(stub, folder, kind) for kind in ("long-lines", "idle")}
+            bounded = _bounded(stub, folder)
     finally:
         for process in processes:
             process.kill()
@@ -193,6 +283,14 @@ def main(argv: list[str] | None = None) -> int:
               f"| {long_lines[2]:.1f} s | 4.5 s to flush, 3.2 GiB, 340 s CPU |",
               f"| 1,100 idle connections, descriptor limit 1,024 | {idle[0]:.0f} ms | {idle[1]:.0f} MiB "
               f"| {idle[2]:.1f} s | flush failed (EMFILE), loop at 71-94 % of a core |"]
+    lines += ["", "Bounded parts (each against a fresh guard; 1.0.0 in the last column, from issue 39):", "",
+              "| case | measured | goal | 1.0.0 |", "|---|---|---|---|",
+              f"| death to first flush request, median / worst of 10, 100 trainers beside 50 peers sending garbage "
+              f"| {bounded['garbage']} | under 0.1 s | 309-856 ms median, 1.6 s worst |",
+              f"| the guard's threads after 200 trainers died for a server that is down | {bounded['retrying']} "
+              f"| at most 64 | a thread per retrying flush (crashed under a pids limit of 150) |",
+              f"| 8 states of 28 MiB, one after another, default budget (256 MiB) | {bounded['large']} "
+              f"| within the budget and a margin | all held, RSS 426 MiB, 548-675 MiB after they closed |"]
     text = "\n".join(lines) + "\n"
     print(text)
     ns.out.write_text(text)

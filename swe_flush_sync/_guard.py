@@ -39,10 +39,12 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Final, NamedTuple
 
 from ._errors import ConfigError
+from ._flusher import Call
 from ._guard_client import PEERCRED, ImpostorError, connect_to_guard
 from ._guard_metrics import GuardMetrics
 from ._guard_parser import ParserProcess
@@ -50,9 +52,10 @@ from ._guard_pool import DEFAULT_FLUSH_WORKERS, WorkPool
 from ._ledger import Place, Record, recover_with
 from ._liveness import UNSUPPORTED, guard_lock_path, hold, is_held, release, trainer_lock_path
 from ._options import FlushOptions, RecoverOptionKwargs
-from ._report import FlushReport
+from ._report import FlushReport, FlushResult
 from ._resolve import URL_ENV_VARS, normalize_instance_ids, normalize_server_urls, resolve_server_urls
 from ._text import shown
+from ._threads import block_signals
 from ._trust import directory_problem, ownership_problem
 from ._watchdog import MAX_SOCKET_PATH
 from ._watchdog_process import (
@@ -83,7 +86,7 @@ RETRY_FIRST: Final = 1.0  # seconds before the first retry of a failed flush; do
 RETRY_MAX: Final = 60.0
 RETRY_REFUSED: Final = 600.0  # seconds between two retries the servers refused with 401/403 (a wrong secret)
 RETRY_GIVE_UP: Final = 24 * 3600.0  # seconds after a death when the guard stops retrying (recover can still)
-HTTP_WORKERS: Final = 12  # requests in flight at once per flush worker: at most 4 x 12 HTTP threads
+HTTP_WORKERS: Final = 36  # requests in flight at once over all the guard's flushes (its shared HTTP threads)
 SAY_EVERY: Final = 60.0  # seconds between two lines of the same kind (retries, drops, refusals)
 PATH_CHECK: Final = 2.0  # seconds between two checks that the socket path is still the guard's
 MAX_QUEUED_LINES: Final = 1000  # stderr lines waiting for a stalled stderr; later ones are dropped
@@ -274,6 +277,8 @@ class Guard:
         self._peers: dict[Channel, _Peer] = {}
         self._lines = _Lines(self.say)
         self._flushes = WorkPool("swe-flush-guard-flush", flush_workers, self.say)
+        self._http = ThreadPoolExecutor(HTTP_WORKERS, thread_name_prefix="swe-flush-guard-http",
+                                        initializer=block_signals)
         self._flushing: set[Channel] = set()  # dead trainers whose flush runs, waits or waits to be retried
         self._books = threading.Lock()  # _flushing and the budget: the loop and the flush workers change them
         self._started = time.monotonic()
@@ -624,7 +629,8 @@ class Guard:
             self._lines.say("claimed", f"{who}: its record was taken by a recover or removed; retries end")
             return
         try:
-            report = channel.flush(retry.pairs, max_workers=HTTP_WORKERS, retries=0)  # the guard retries itself
+            report = channel.flush(retry.pairs, max_workers=HTTP_WORKERS, retries=0,  # the guard retries itself
+                                   runner=self._send)
         except Exception as exc:  # noqa: BLE001 - one trainer's failure must not stop the guard
             report, why, refused = None, f"the flush failed: {type(exc).__name__}", False
             if self.metrics is not None:
@@ -657,6 +663,20 @@ class Guard:
                                     f"{RETRY_MAX:g} s, {RETRY_REFUSED:g} s after 401/403) until it is flushed")
         self._flushes.submit(functools.partial(self._flush, channel, retry._replace(
             attempt=retry.attempt + 1, delay=min(retry.delay * 2, RETRY_MAX))), delay)
+
+    def _send(self, calls: Sequence[Call]) -> list[Future[FlushResult]]:
+        """Send a flush's requests on the shared HTTP workers; one that gets no thread (a pids limit)
+        is sent by the flush worker itself."""
+        futures: list[Future[FlushResult]] = []
+        for call in calls:
+            try:
+                futures.append(self._http.submit(call))
+            except RuntimeError:
+                future: Future[FlushResult] = Future()
+                future.set_running_or_notify_cancel()
+                future.set_result(call())
+                futures.append(future)
+        return futures
 
     def _done(self, channel: Channel) -> None:
         self._retrying.discard(channel)
@@ -764,7 +784,7 @@ class Guard:
             claimed: list[int] = []
             try:
                 report = recover_with(self.ledger or "", None, os.environ, options, judge=self._judge,
-                                      on_claimed=claimed.append, quiet=True)
+                                      on_claimed=claimed.append, quiet=True, runner=self._send)
                 if claimed:
                     self._say_recovered(claimed[0], report)
                 elif report.error:

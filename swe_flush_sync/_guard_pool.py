@@ -22,7 +22,7 @@ from typing import Final
 
 from ._threads import start_daemon_thread
 
-DEFAULT_FLUSH_WORKERS: Final = 4  # trainers flushed at once by a guard (each with up to HTTP_WORKERS requests)
+DEFAULT_FLUSH_WORKERS: Final = 16  # trainers flushed at once by a guard (their requests share its HTTP workers)
 START_RETRY: Final = 1.0  # seconds between two attempts to start a worker that failed to start
 
 

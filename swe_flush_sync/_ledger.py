@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from ._errors import ConfigError
-from ._flusher import Flusher
+from ._flusher import Flusher, Runner
 from ._liveness import is_held
 from ._logs import log_report
 from ._options import FlushOptions
@@ -405,11 +405,13 @@ def recover(ledger: str, *, servers: str | Iterable[str] | None = None, environ:
 
 def recover_with(ledger: str, servers: str | Iterable[str] | None, environ: Mapping[str, str] | None,
                  flush_options: FlushOptions, judge: Judge | None = None,
-                 on_claimed: Callable[[int], None] | None = None, quiet: bool = False) -> FlushReport:
+                 on_claimed: Callable[[int], None] | None = None, quiet: bool = False,
+                 runner: Runner | None = None) -> FlushReport:
     """``recover`` with its options built, ``judge`` deciding which records are gone and
     ``on_claimed`` told how many records were claimed, once they are flushed and settled (a guard's,
-    which is also ``quiet``: it logs nothing and says its own lines)."""
-    report = _recover(ledger, servers, environ, flush_options, judge, on_claimed)
+    which is also ``quiet``: it logs nothing and says its own lines, and sends the requests with
+    ``runner``, its shared HTTP workers)."""
+    report = _recover(ledger, servers, environ, flush_options, judge, on_claimed, runner)
     if not quiet and (report.results or report.error):
         log_report(report)
     return report
@@ -417,7 +419,7 @@ def recover_with(ledger: str, servers: str | Iterable[str] | None, environ: Mapp
 
 def _recover(ledger: str, servers: str | Iterable[str] | None, environ: Mapping[str, str] | None,
              flush_options: FlushOptions, judge: Judge | None,
-             on_claimed: Callable[[int], None] | None) -> FlushReport:
+             on_claimed: Callable[[int], None] | None, runner: Runner | None) -> FlushReport:
     if not isinstance(ledger, str) or not ledger.strip() or "\0" in ledger:
         raise ConfigError("ledger must be a directory path (a non-empty str)")
     env = os.environ if environ is None else environ
@@ -442,7 +444,7 @@ def _recover(ledger: str, servers: str | Iterable[str] | None, environ: Mapping[
         return FlushReport(elapsed=time.monotonic() - started, error=book.skipped())
     if flush_options.bearer_provider is None:
         flush_options = dataclasses.replace(flush_options, bearer=resolve_bearer(env))
-    report = _flush_records([record for _, record in claimed], flush_options)
+    report = _flush_records([record for _, record in claimed], flush_options, runner)
     set_aside = book.settle(claimed, report)
     if on_claimed is not None:
         on_claimed(len(claimed))  # after the flush and the records settled
@@ -451,15 +453,20 @@ def _recover(ledger: str, servers: str | Iterable[str] | None, environ: Mapping[
                        error="; ".join([*set_aside, *([skipped] if skipped else [])]) or None)
 
 
-def _flush_records(records: list[Record], options: FlushOptions) -> FlushReport:
-    """One parallel flush of every record's pairs: one call per distinct set of servers, all at once."""
+def _flush_records(records: list[Record], options: FlushOptions, runner: Runner | None = None) -> FlushReport:
+    """One parallel flush of every record's pairs: one call per distinct set of servers, all at once
+    (with a ``runner``, one set after another, each sent by the runner's workers)."""
     groups: dict[tuple[str, ...], dict[str, None]] = {}
     for record in records:
         groups.setdefault(record.urls, {}).update(dict.fromkeys(record.ids))
 
     def flush_group(urls: tuple[str, ...], ids: dict[str, None]) -> FlushReport:
         with Flusher.from_options(urls, options) as flusher:
-            return flusher._flush_ids(tuple(ids), options.deadline)  # logged once, by recover
+            return flusher._flush_ids(tuple(ids), options.deadline, runner=runner)  # logged once, by recover
+
+    if runner is not None:
+        reports = [flush_group(urls, ids) for urls, ids in groups.items()]
+        return FlushReport(results=tuple(result for report in reports for result in report.results))
 
     with ThreadPoolExecutor(len(groups), thread_name_prefix="swe-flush-recover", initializer=block_signals) as pool:
         reports = list(pool.map(flush_group, groups.keys(), groups.values()))

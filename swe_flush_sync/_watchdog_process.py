@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any, Final
 if TYPE_CHECKING:
     from swe_flush_sync import FlushReport
 
+    from ._flusher import Runner
+
 RECORD_VERSION: Final = 1
 # The protocol of the control lines: 1 (0.5.0) had no version; 2 adds "v", the trainer's token, the
 # guard's version in "held", "refused", and strings that hold no raw backslash-quote (see encode_state).
@@ -467,12 +469,13 @@ class Channel:
             if error is not None:
                 _say(f"swe-flush watchdog for pid {self.trainer_pid}: cannot write the ledger record: {error}")
 
-    def flush(self, pairs: Mapping[str, tuple[str, ...]] | None = None, *,
-              max_workers: int | None = None, retries: int | None = None) -> FlushReport | None:
+    def flush(self, pairs: Mapping[str, tuple[str, ...]] | None = None, *, max_workers: int | None = None,
+              retries: int | None = None, runner: Runner | None = None) -> FlushReport | None:
         """Flush the last state's pairs (or only ``pairs``: server -> ids), logging nothing (the
         caller says one line); None when there was nothing to flush. ``max_workers`` caps the
-        requests in flight at once (a guard bounds its threads with it); ``retries`` replaces the
-        trainer's (a guard that retries failed flushes itself asks for none within an attempt)."""
+        requests in flight at once; ``retries`` replaces the trainer's (a guard that retries failed
+        flushes itself asks for none within an attempt); ``runner`` sends the requests (a guard's
+        shared HTTP workers) instead of a pool of the flush's own."""
         state = self.state
         if state is None or not state.get("ids") or not state.get("urls"):
             return None
@@ -492,7 +495,8 @@ class Channel:
         reports = []
         for urls, ids in groups.items():
             with Flusher(urls, linger=0.0, **options) as flusher:
-                reports.append(flusher._flush_ids(normalize_instance_ids(ids), flusher.options.deadline))
+                reports.append(flusher._flush_ids(normalize_instance_ids(ids), flusher.options.deadline,
+                                                  runner=runner))
         return FlushReport(results=tuple(result for report in reports for result in report.results),
                            elapsed=sum(report.elapsed for report in reports))
 

@@ -23,6 +23,7 @@ import pytest
 from swe_flush_sync import recover
 from swe_flush_sync._guard import TAKEOVER_GRACE, _Retrying
 from swe_flush_sync._guard import Guard as GuardDaemon
+from swe_flush_sync._guard_pool import DEFAULT_FLUSH_WORKERS
 from swe_flush_sync.testing import AgentServerStub
 
 from .conftest import PYTHON, SECRET, Guard, read_until, spawn, subprocess_env
@@ -198,7 +199,7 @@ def test_flush_workers_are_started_once(short_dir: Path) -> None:
     gate = threading.Event()
     for _ in range(100):
         daemon._flushes.submit(gate.wait)
-    assert daemon._flushes.threads == started == 4
+    assert daemon._flushes.threads == started == DEFAULT_FLUSH_WORKERS
     gate.set()
     assert wait_until(lambda: len(daemon._flushes) == 0, 5.0)
 
@@ -407,3 +408,50 @@ def test_large_states_stay_within_the_budget_and_delay_no_death(start_guard: Cal
     assert len(held) == 2 and all(b"budget for held states (128 MiB" in said for said in answers if said not in held)
     # The margin: the interpreter, and one line at a time read, copied and parsed (about 4 x 32 MiB).
     assert _hwm_mib(guard.proc.pid) < budget + 160, _hwm_mib(guard.proc.pid)
+
+
+def test_garbage_peers_delay_no_death_and_cost_bounded_threads_and_lines(start_guard: Callable[..., Guard]) -> None:
+    guard = start_guard()
+    stop = threading.Event()
+    sent = Counter[str]()
+
+    def garbage() -> None:  # a same-uid process gone wrong: bad lines, reconnecting at once
+        while not stop.is_set():
+            with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as peer:
+                peer.settimeout(5)
+                peer.connect(guard.socket)
+                peer.sendall(b'{"seq": "one", "state": []}\n')
+                peer.recv(4096)
+                sent["bad"] += 1
+
+    peers = [threading.Thread(target=garbage) for _ in range(20)]
+    with AgentServerStub() as stub:
+        for peer in peers:
+            peer.start()
+        late, peak = [], 0
+        try:
+            flood_ends = time.monotonic() + 12.0
+            number = 0
+            while time.monotonic() < flood_ends:
+                with connect(guard.socket) as victim:
+                    victim.sendall(state_line(a_state(urls=[stub.url], ids=[f"real-{number}"],
+                                                      trainer=_token(500 + number))))
+                    assert answer(victim).startswith(b"held")
+                    died = time.monotonic()
+                assert wait_until(lambda n=number: f"real-{n}" in stub.flushed_ids(), 5.0)
+                first = next(r.at for r in stub.requests if r.instance_id == f"real-{number}") - died
+                if first >= 0.5:
+                    late.append(round(first, 3))
+                peak = max(peak, _threads(guard.proc.pid))
+                number += 1
+                time.sleep(0.5)
+        finally:
+            stop.set()
+            for peer in peers:
+                peer.join(10)
+    assert sent["bad"] > 100 and number >= 10
+    assert late == [] and peak <= MAX_THREADS, (late, peak)
+    guard.proc.terminate()
+    assert guard.proc.wait(15) == 0
+    lines = [line for line in guard.stderr().splitlines() if line]
+    assert len(lines) <= 60, f"{len(lines)} stderr lines: {lines[:5]}"
