@@ -55,7 +55,7 @@ EXIT_USAGE = 2
 
 USAGE = """swe-flush [--url URL]... [--id ID]... [--ids-json PATH|-] [--secret-file PATH]
                  [--ca-bundle PATH] [--client-cert PATH [--client-key PATH]]
-                 [--deadline S] [--workers N] [--retries N] [--until-idle] [--json] [-q | -v]
+                 [--deadline S] [--workers N] [--retries N] [--one-pass] [--json] [-q | -v]
        swe-flush demo [--instances N] [--teardown S] [--max-concurrent N] [--until-idle] [--watchdog] [--json]
        swe-flush recover DIR [--url URL]... [--secret-file PATH]
                              [--ca-bundle PATH] [--client-cert PATH [--client-key PATH]]
@@ -117,7 +117,11 @@ def _flush_parser() -> _Parser:
                         help=f"seconds the whole flush may take (default {DEFAULT_DEADLINE:g})")
     parser.add_argument("--workers", type=int, default=None, metavar="N", help="requests in flight at once")
     parser.add_argument("--retries", type=int, default=3, metavar="N", help="retries per target (default 3)")
-    _add_until_idle(parser)
+    parser.add_argument("--one-pass", dest="until_idle", action="store_false",
+                        help="flush each id once; by default each server is flushed again while its last round "
+                             "cancelled something, so runs waiting for a slot never start after the flush")
+    parser.add_argument("--until-idle", dest="until_idle", action="store_true", help=argparse.SUPPRESS)  # 1.0's
+    parser.set_defaults(until_idle=True)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("-q", "--quiet", action="store_true", help="print only the summary line")
     parser.add_argument("-v", "--verbose", action="count", default=0,

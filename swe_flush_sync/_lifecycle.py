@@ -408,8 +408,9 @@ def flush_on_signal(args: Any, *, signals: Iterable[int] = (signal.SIGTERM,), en
     """On the first of ``signals``, flush every instance of ``args``, then hand over.
 
     Install it at start-up: ids, servers and bearer are read when the signal arrives. The
-    flush gives up requests earlier aborts left in flight, sends every pair again and is
-    bounded by ``deadline`` (keep it shorter than the scheduler's grace period). Then the
+    flush gives up requests earlier aborts left in flight, sends every pair again, flushes until
+    idle by default (the trainer is ending: runs still waiting for a slot must not start after
+    it) and is bounded by ``deadline`` (keep it shorter than the scheduler's grace period). Then the
     handler that was there before takes over: a Python callable is called with ``(signum,
     frame)``; ``SIG_DFL`` is restored and the signal raised again, so the process dies of it
     (exit status -15 / 143 for SIGTERM); ``SIG_IGN`` does nothing more. A signal arriving
@@ -419,7 +420,8 @@ def flush_on_signal(args: Any, *, signals: Iterable[int] = (signal.SIGTERM,), en
         args: trainer args (attributes) or a Mapping, read when the signal arrives.
         signals: the signals to hook.
         environ: the environment to read instead of ``os.environ``.
-        **options: as for ``abort`` but ``linger`` (nothing lingers past a signal), validated now.
+        **options: as for ``abort`` but ``linger`` (nothing lingers past a signal), validated now;
+            ``until_idle`` defaults to True here (``until_idle=False``: one pass).
 
     Returns:
         A ``SignalHook``; ``.uninstall()`` restores the previous handlers.
@@ -431,6 +433,7 @@ def flush_on_signal(args: Any, *, signals: Iterable[int] = (signal.SIGTERM,), en
         >>> hook = flush_on_signal(args, deadline=20)
     """
     _require_main_thread("flush_on_signal")
+    options.setdefault("until_idle", True)  # the trainer is ending: nothing queued may start after it
     flush_options = FlushOptions(**options, linger=0.0)  # nothing lingers past a signal
     signal_tuple = tuple(signals)
     if not signal_tuple:
@@ -490,13 +493,15 @@ def flush_at_exit(args: Any, *, environ: Mapping[str, str] | None = None,
     thread at interpreter shutdown"), so the pairs run in parallel within ``deadline`` on
     standby daemon threads started when the hook was installed (one by one in the calling thread
     only where no thread could ever start). Requests earlier aborts left in flight are given
-    up first, so every pair is sent again. Skipped when a ``flush_on_signal`` hook already
-    flushed. Not run when the process dies of a signal nobody handles, or ``os._exit``.
+    up first, so every pair is sent again, until idle by default (the trainer is ending: runs
+    still waiting for a slot must not start after it). Skipped when a ``flush_on_signal`` hook
+    already flushed. Not run when the process dies of a signal nobody handles, or ``os._exit``.
 
     Args:
         args: trainer args (attributes) or a Mapping, read at exit.
         environ: the environment to read instead of ``os.environ``.
-        **options: as for ``abort`` but ``linger``, validated now.
+        **options: as for ``abort`` but ``linger``, validated now; ``until_idle`` defaults to True
+            here (``until_idle=False``: one pass).
 
     Returns:
         An ``ExitHook``; ``.uninstall()`` turns it off.
@@ -507,6 +512,7 @@ def flush_at_exit(args: Any, *, environ: Mapping[str, str] | None = None,
     Example:
         >>> flush_at_exit(args, deadline=10)
     """
+    options.setdefault("until_idle", True)  # the trainer is ending: nothing queued may start after it
     flush_options = FlushOptions(**options, linger=0.0)  # nothing lingers past the exit
     _prepare_hook(flush_options)
     return ExitHook(args, environ, flush_options)
