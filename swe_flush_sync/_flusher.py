@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 Pair = tuple[str, str]  # (server url, instance id)
 Call = Callable[[], FlushResult]  # one request, bound to its pair and token
 Runner = Callable[[Sequence[Call]], list[Future[FlushResult]]]  # runs calls elsewhere than the executor
+REPORT_COST: Final = 1e-5  # seconds a pair left unsent may cost to report (100,000: 1 s, kept off the deadline)
 MAX_ROUNDS: Final = 64  # passes per pair at most with until_idle (the deadline usually ends them first)
 
 
@@ -72,6 +73,28 @@ class _Call(NamedTuple):
     until_idle: bool
     runner: Runner | None
     rounds: dict[str, int]  # per server, the rounds started
+    by_server: dict[str, list[_Track]]  # the tracks of each server
+    answered: dict[str, Future[None]]  # per server still going, done once its round is all answered
+
+
+def _when_all_answered(futures: list[Future[FlushResult]]) -> Future[None]:
+    """A future done once every one of ``futures`` is (a countdown their callbacks run; no scan)."""
+    answered: Future[None] = Future()
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one_more(_: Future[FlushResult]) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            answered.set_result(None)
+
+    if not futures:
+        answered.set_result(None)
+    for future in futures:
+        future.add_done_callback(one_more)
+    return answered
 
 
 class Flusher:
@@ -153,8 +176,10 @@ class Flusher:
         Raises:
             ConfigError: a bad id or deadline. FlushError: the Flusher is closed.
         """
+        started = time.monotonic()
         ids = normalize_instance_ids(instance_ids)
         budget = self._options.deadline if deadline is None else check_seconds(deadline, "deadline")
+        budget = max(budget - (time.monotonic() - started), 0.001)  # the deadline counts from the call
         if until_idle is not None and not isinstance(until_idle, bool):
             raise ConfigError(f"until_idle must be a bool, not {type(until_idle).__name__}")
         report = self._flush_ids(ids, budget, until_idle=until_idle)
@@ -168,25 +193,29 @@ class Flusher:
         started = time.monotonic()
         tracks = {pair: _Track(pair) for pair in ((url, i) for i in ids for url in self._urls)}  # interleaved
         repeat = self._options.until_idle if until_idle is None else until_idle
-        call = _Call(tracks, started, started + budget, repeat, runner, dict.fromkeys(self._urls, 1))
+        by_server: dict[str, list[_Track]] = {url: [] for url in self._urls}
+        for track in tracks.values():
+            by_server[track.pair[0]].append(track)
+        call = _Call(tracks, started, started + budget, repeat, runner, dict.fromkeys(self._urls, 1), by_server, {})
         if not call.tracks:
             return FlushReport(elapsed=time.monotonic() - started)
         with self._lock:
             if self._closed:
                 raise FlushError("this Flusher is closed")
             self._send_pass(list(call.tracks.values()), call)
-        # Rounds wake at each answer: a server's next round never waits for another server.
-        until = concurrent.futures.FIRST_COMPLETED if call.until_idle else concurrent.futures.ALL_COMPLETED
+        # Each server's round wakes this call once it is all answered: a server's next round never
+        # waits for another server, and no answer costs a scan of every pair.
         try:
             while True:
-                for url in self._urls:
-                    self._end_round_if_answered(url, call)
-                waiting = [t.pending.future for t in call.tracks.values()
-                           if t.pending is not None and not t.pending.future.done()]
+                for url, answered in list(call.answered.items()):
+                    if answered.done():
+                        del call.answered[url]
+                        self._end_round_if_answered(url, call)
                 left = call.deadline_at - time.monotonic()
-                if not waiting or left <= 0:
+                if not call.answered or left <= 0:
                     break
-                concurrent.futures.wait(waiting, timeout=left, return_when=until)
+                concurrent.futures.wait(list(call.answered.values()), timeout=left,
+                                        return_when=concurrent.futures.FIRST_COMPLETED)
         except BaseException:  # Ctrl-C or any other exception here: give up what this call sent, re-raise
             for track in call.tracks.values():
                 if track.pending is not None and not track.joined:
@@ -196,18 +225,17 @@ class Flusher:
         return FlushReport(results=results, elapsed=time.monotonic() - started)
 
     def _end_round_if_answered(self, url: str, call: _Call) -> None:
-        """Once all pairs of ``url`` in this round are answered: end them, or start the next round."""
-        going = [t for t in call.tracks.values() if t.pair[0] == url and t.final is None]
-        if not going or any(t.pending is not None and not t.pending.future.done() for t in going):
-            return
+        """All pairs of ``url`` in this round are answered: end them, or start the next round."""
+        going = [t for t in call.by_server[url] if t.final is None]
         for track in going:
             if track.pending is not None:
                 track.passes.append(_answer(track, track.pending))
                 track.pending = None
         counting = [t for t in going if t.passes[-1].ok and t.passes[-1].cancelled is not None]
+        counted = set(map(id, counting))
         cut = call.until_idle and time.monotonic() >= call.deadline_at  # a pass failed at the deadline: not idle
         for track in going:  # a failed pass, or a server that does not count, ends the pair
-            if track not in counting or not call.until_idle:
+            if id(track) not in counted or not call.until_idle:
                 track.final = _merged(track.passes, idle=False if cut and not track.passes[-1].ok else None)
         if not counting or not call.until_idle:
             return
@@ -222,27 +250,48 @@ class Flusher:
             track.final = _merged(track.passes, idle=not busy)
 
     def _send_pass(self, tracks: list[_Track], call: _Call) -> None:
-        """Join or send one pass of each track (lock held); a pair without a bearer ends at once."""
+        """Join or send one pass of each track (lock held), with a look at the deadline before each
+        (nothing is prepared for a pair the deadline finds not sent: it ends saying so); a pair
+        without a bearer ends at once. Each server's round is then watched."""
         self._forget_finished()  # answered requests are not joined: their pairs are sent afresh
-        fresh: list[tuple[_Track, str | None, CancelToken]] = []
+        fresh: list[_Track] = []
         for track in tracks:
             pending = self._inflight.get(track.pair)
             if pending is not None:  # single flight: an earlier request is still out
                 track.pending, track.joined = pending, True
-                continue
+            else:
+                fresh.append(track)
+        if call.runner is None:  # the hooks gave every lingering request up already
+            self._make_room(len(fresh))
+        transport = self._transport_now()
+        sent = 0
+        # The deadline is looked at before each (starting a worker may take a while), keeping the time
+        # needed to report the pairs that would be left unsent.
+        stop_at = call.deadline_at - REPORT_COST * len(fresh)
+        for track in fresh:
+            if sent and time.monotonic() >= stop_at:
+                break
+            sent += 1
             try:
                 authorization = self._authorization(track.pair[1])
             except ConfigError as exc:
                 track.final = _merged([*track.passes, FlushResult(*track.pair, ok=False, error=str(exc))], idle=None)
                 continue
-            fresh.append((track, authorization, CancelToken(call.deadline_at, call.deadline_at + self._options.linger)))
-        if call.runner is None:  # the hooks gave every lingering request up already
-            self._make_room(len(fresh))
-        transport = self._transport_now()
-        calls = [functools.partial(transport.post, *t.pair, auth, token) for t, auth, token in fresh]
-        for (track, _, token), future in zip(fresh, self._submit(calls, call.runner), strict=True):
+            token = CancelToken(call.deadline_at, call.deadline_at + self._options.linger)
+            [future] = self._submit([functools.partial(transport.post, *track.pair, authorization, token)], call.runner)
             track.pending = self._inflight[track.pair] = _Pending(future, token)
             track.joined = False
+        if sent < len(fresh):  # the deadline came first: what still waits for a worker is never sent
+            for track in fresh[:sent]:  # (first, so that the workers go quiet before the bookkeeping below)
+                if track.pending is not None and track.pending.future.cancel():
+                    track.pending.token.cancel("deadline passed")
+        idle = False if call.until_idle else None
+        for track in fresh[sent:]:  # never prepared, never sent
+            never = FlushResult(*track.pair, ok=False, error="deadline passed before it was sent", idle=idle)
+            track.final = _merged([*track.passes, never], idle=idle) if track.passes else never
+        for url in dict.fromkeys(t.pair[0] for t in tracks):
+            call.answered[url] = _when_all_answered([t.pending.future for t in call.by_server[url]
+                                                     if t.final is None and t.pending is not None])
 
     def _forget_finished(self) -> None:
         """Drop answered requests from the in-flight map; give up those past their linger."""

@@ -208,8 +208,8 @@ def _abort_report(args: Any, environ: Mapping[str, str] | None, options: FlushOp
         if options.admin_secret is None and options.bearer is None:
             options = dataclasses.replace(options, bearer=resolve_bearer(env))
         runner = (lambda calls: _standby.run(calls, options.workers)) if hook else None
-        return _cached_flusher(urls, options)._flush_ids(ids, options.deadline, until_idle=options.until_idle,
-                                                         runner=runner)
+        budget = max(options.deadline - (time.monotonic() - started), 0.001)  # the deadline counts from the call
+        return _cached_flusher(urls, options)._flush_ids(ids, budget, until_idle=options.until_idle, runner=runner)
     except FlushError as exc:
         error = str(exc)
     except Exception as exc:  # noqa: BLE001 - the "never raises" boundary; the message could hold anything

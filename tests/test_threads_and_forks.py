@@ -115,6 +115,8 @@ def test_aborts_from_many_threads_through_a_guard_then_a_restart(stub: AgentServ
 
 
 FORKED = """
+import faulthandler
+faulthandler.register(signal.SIGUSR1)  # the test dumps every thread's stack if the parent does not end
 hooks = flush_on_signal(args, deadline=5, until_idle=False), flush_at_exit(args, deadline=5, until_idle=False)
 child = os.fork()  # a data loader's worker
 if child == 0:
@@ -140,7 +142,12 @@ def test_a_forked_child_never_flushes_its_parents_ids(stub: AgentServerStub, how
     # The child's hooks would have flushed before it ended: the stub has answered all it got.
     assert stub.requests == []
     trainer.proc.send_signal(signal.SIGTERM)  # the parent's own SIGTERM still flushes its ids
-    trainer.death()
+    if not wait_until(lambda: trainer.proc.poll() is not None, 20.0):
+        trainer.proc.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+        trainer.proc.kill()
+        _, err = trainer.proc.communicate(timeout=10)
+        raise AssertionError(f"the parent did not end on SIGTERM; its threads:\n{err}")
     assert trainer.proc.returncode == -signal.SIGTERM
     assert sorted(stub.flushed_ids()) == ["wd-a", "wd-b", "wd-c"]
 

@@ -57,9 +57,10 @@ def test_ids_sharing_slots_are_flushed_again_together(slots: AgentServerStub) ->
     report = flush(slots.url, ["a", "b"], admin_secret=SECRET, until_idle=True)
     a, b = report.results
     assert (a.cancelled, b.cancelled) == (8, 5)  # round 1: 8 and 0; round 2: 0 and 5; round 3: 0 and 0
-    assert a.passes == b.passes == 3 and a.idle is b.idle is True
+    # (2 rounds when b's request of round 1 is read only after a's teardown started b's runs: a loaded host)
+    assert a.passes == b.passes in (2, 3) and a.idle is b.idle is True
     assert slots.trials("a") + slots.trials("b") + slots.waiting() == 0
-    assert "in 6 passes, 2/2 idle" in report.summary()
+    assert f"in {2 * a.passes} passes, 2/2 idle" in report.summary()
 
 
 def test_the_deadline_cuts_the_rounds_short_on_time(stub_factory) -> None:  # type: ignore[no-untyped-def]

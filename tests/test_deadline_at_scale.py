@@ -1,0 +1,47 @@
+"""The one overall deadline holds at any size the package accepts (issue 42): 100,000 ids, with
+``deadline=5``, from a process of their own against the stub over real sockets. The call returns
+within the deadline plus 0.5 s, submitting stops in time, and every pair never sent is reported
+as such (1.0.0 took 13.5-15 s)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import textwrap
+
+import pytest
+
+from swe_flush_sync.testing import AgentServerStub
+
+from .conftest import PYTHON, SECRET, subprocess_env
+
+CALLER = """
+import json, os, sys, time
+from collections import Counter
+from swe_flush_sync import abort, flush
+ids = [f"scale-{{number:06d}}" for number in range(100_000)]
+started = time.monotonic()
+if {entry!r} == "flush":
+    report = flush({url!r}, ids, admin_secret=os.environ["HARBOR_ADMIN_SECRET"], deadline=5)
+else:
+    report = abort({{"session_server_instance_ids": ids}}, deadline=5)
+took = time.monotonic() - started
+errors = Counter("ok" if r.ok else ("never sent" if r.error == "deadline passed before it was sent" else
+                                    "at the deadline" if "deadline passed" in (r.error or "") else r.error)
+                 for r in report.results)
+print(json.dumps({{"took": took, "results": len(report.results), "errors": errors}}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("entry", ["flush", "abort"])
+def test_100000_ids_return_within_the_deadline(stub: AgentServerStub, entry: str) -> None:
+    out = subprocess.run([PYTHON, "-c", textwrap.dedent(CALLER.format(entry=entry, url=stub.url))],
+                         capture_output=True, text=True, timeout=120,
+                         env=subprocess_env(AGENT_SERVER_URL=stub.url, HARBOR_ADMIN_SECRET=SECRET))
+    assert out.returncode == 0, out.stderr[-2000:]
+    seen = json.loads(out.stdout)
+    assert seen["took"] <= 5.0 + 0.5, seen
+    assert seen["results"] == 100_000
+    assert set(seen["errors"]) <= {"ok", "never sent", "at the deadline"}, seen["errors"]
+    assert seen["errors"]["ok"] == len(stub.flushed_ids()) > 0  # what was answered is reported as such
+    assert seen["errors"]["never sent"] > 0  # the stub cannot take 100,000 in 5 s here: the rest is said
