@@ -38,6 +38,7 @@ from ._report import FlushReport
 from ._resolve import (
     PLURAL_ATTR,
     SINGULAR_ATTR,
+    URL_ENV_VARS,
     normalize_instance_ids,
     normalize_server_urls,
     resolve_bearer,
@@ -77,8 +78,18 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise _UsageError(message)
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.hints: dict[str, str] = {}  # an option people try -> what to do instead
+
     def parse_args_naming_unknown(self, argv: list[str]) -> argparse.Namespace:
-        """``parse_args``, but unknown options are named without their values (they may be secrets)."""
+        """``parse_args``, but unknown options are named without their values (they may be secrets), with a
+        hint for an option people try that does not exist; a hinted option is checked before the
+        positionals, so the hint comes first."""
+        tried = sorted({token.split("=", 1)[0] for token in argv if token.split("=", 1)[0] in self.hints})
+        if tried:
+            raise _UsageError(f"unrecognized option(s): {', '.join(tried)} (values are never shown); "
+                              + "; ".join(self.hints[flag] for flag in tried))
         ns, unknown = self.parse_known_args(argv)
         if unknown:
             flags = sorted({token.split("=", 1)[0] for token in unknown if token.startswith("-")})
@@ -161,6 +172,7 @@ def _recover_parser() -> _Parser:
                      description="Flush the ids of every trainer in a watchdog ledger whose owner is gone "
                                  "(until idle), and remove the records that flushed.")
     parser.add_argument("ledger", metavar="DIR", help="the ledger directory (the watchdog's ledger option)")
+    parser.hints = {"--ledger": "the ledger directory is positional: swe-flush recover DIR --url URL"}
     parser.add_argument("--url", action="append", default=[], metavar="URL",
                         help="an agent server a record may name (repeatable; default: AGENT_SERVER_URL); a "
                              "record naming any other server is left alone: the bearer goes only to these")
@@ -365,6 +377,14 @@ def _verbosity(verbose: int, default: int = logging.WARNING) -> int:
 
 
 def _run_recover(ns: argparse.Namespace) -> int:
+    if not os.path.exists(ns.ledger):
+        raise ConfigError(f"recover: {shown(ns.ledger)} does not exist: give the ledger directory the watchdog or "
+                          "guard was given (its ledger option, SWE_FLUSH_LEDGER or --ledger)")
+    if not os.path.isdir(ns.ledger):
+        raise ConfigError(f"recover: {shown(ns.ledger)} is a file, not the ledger directory")
+    if not ns.url and not resolve_server_urls():
+        raise ConfigError(f"recover: no agent server named: pass --url URL (or set {' or '.join(URL_ENV_VARS)}); "
+                          "a server read from a ledger record never gets a bearer")
     bearer = StaticBearer(_read_secret_file(ns.secret_file), source="--secret-file") if ns.secret_file \
         else resolve_bearer()
     with _logging_to_stderr(_verbosity(ns.verbose)):  # a record moved aside is worth seeing, even without -v
@@ -426,11 +446,16 @@ def _read_ids_json(path: str) -> tuple[str, ...]:
         data: Any = json.loads(text)
     except ValueError as exc:
         raise ConfigError(f"--ids-json: {path} is not valid JSON ({exc})") from None
-    if isinstance(data, dict) and (PLURAL_ATTR in data or SINGULAR_ATTR in data):
-        return resolve_instance_ids(data)
-    if isinstance(data, (dict, list)):
-        return normalize_instance_ids(data)
-    raise ConfigError(f"--ids-json: {path} must hold a list of ids or an object, not {type(data).__name__}")
+    shapes = (f'a list of ids (["a", "b"]), an object of port -> id ({{"8000": "a"}}), or an object holding '
+              f'{PLURAL_ATTR} and/or {SINGULAR_ATTR}')
+    try:
+        if isinstance(data, dict) and (PLURAL_ATTR in data or SINGULAR_ATTR in data):
+            return resolve_instance_ids(data)
+        if isinstance(data, (dict, list)):
+            return normalize_instance_ids(data)
+    except ConfigError as exc:
+        raise ConfigError(f"--ids-json: {shown(path)} must hold {shapes}; every id a string ({exc})") from None
+    raise ConfigError(f"--ids-json: {shown(path)} must hold {shapes}, not a JSON {type(data).__name__}")
 
 
 def _print_report(report: FlushReport, as_json: bool, out: TextIO | None = None, *, quiet: bool = False) -> None:

@@ -189,7 +189,7 @@ def _check_url(url: str, source: str) -> str:
     refused = f"{source}: {redact_url(url)}"
     scheme, sep, rest = url.partition("://")
     if not sep or scheme.lower() not in ("http", "https"):
-        raise ConfigError(f"{refused} must start with http:// or https://")
+        raise ConfigError(f"{refused} must start with http:// or https:// (for example http://agent-server:8000)")
     if "@" in rest:
         raise ConfigError(f"{refused} carries credentials (an '@' after the scheme); put the secret in "
                           f"{SECRET_ENV_VARS[0]} instead")
@@ -208,7 +208,9 @@ def _check_url(url: str, source: str) -> str:
 
 
 def redact_url(url: str) -> str:
-    """What may be shown of a URL: its scheme and host, escaped; ``***@`` where it had credentials.
+    """What may be shown of a URL, as typed: its scheme and host, escaped; ``***@`` where it had
+    credentials (whatever stood before the last ``@``); nothing after the host (a path or query
+    may hold a secret). A value with no scheme is shown the same way: ``'127.0.0.1:8000'``.
 
     Example:
         >>> redact_url("http://admin:pa55/x@host:9/path")
@@ -216,9 +218,10 @@ def redact_url(url: str) -> str:
     """
     scheme, sep, rest = url.partition("://")
     if not sep:
-        return "<not a URL>"
+        scheme, rest = "", url
     credentials = "@" in rest
     rest = rest.rpartition("@")[2]
     for delimiter in "/?#":
         rest = rest.partition(delimiter)[0]
-    return shown(f"{scheme}://{'***@' if credentials else ''}{rest}", 120)
+    shown_url = shown(f"{scheme}{sep}{'***@' if credentials else ''}{rest}", 120)
+    return shown_url if sep else f"'{shown_url}'"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from swe_flush_sync import recover
 from swe_flush_sync._cli import main
 from swe_flush_sync.testing import AgentServerStub
 
@@ -113,7 +114,7 @@ def test_usage_and_config_errors_exit_2_one_line(argv: list[str], message: str,
 
 @pytest.mark.parametrize(
     ("content", "message"),
-    [("{not json", "is not valid JSON"), ("42", "must hold a list of ids or an object"),
+    [("{not json", "is not valid JSON"), ("42", "must hold a list of ids"),
      ('[1, 2]', "ids must be str"), ('"a"', "must hold a list")],
 )
 def test_bad_ids_json_exit_2(tmp_path: Path, content: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -158,3 +159,55 @@ def test_demo_watchdog_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert data["flush_requests"] >= 3 and data["watchdog_exited_after_seconds"] < 11
     assert not Path(f"/proc/{data['watchdog_pid']}/cmdline").exists() or \
         Path(f"/proc/{data['watchdog_pid']}/cmdline").read_bytes() == b""  # gone (or a zombie for init)
+
+
+# -- a new user's stumbles (issue 42): each says what was typed and what to type -------------------------
+def _cli(*argv: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PYTHON, "-m", "swe_flush_sync", *argv], capture_output=True, text=True, timeout=30,
+                          env=subprocess_env(**env))
+
+
+def test_recover_on_a_missing_folder_or_a_file_exits_2_with_one_line(tmp_path: Path) -> None:
+    missing = _cli("recover", str(tmp_path / "nope"), "--url", "http://127.0.0.1:9")
+    assert missing.returncode == 2 and missing.stdout == "" and missing.stderr.count("\n") == 1
+    assert f"{tmp_path / 'nope'} does not exist: give the ledger directory" in missing.stderr
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    on_a_file = _cli("recover", str(a_file), "--url", "http://127.0.0.1:9")
+    assert on_a_file.returncode == 2 and f"{a_file} is a file, not the ledger directory" in on_a_file.stderr
+
+
+def test_the_library_recover_at_a_first_start_stays_quiet(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("DEBUG", logger="swe_flush_sync"):
+        report = recover(str(tmp_path / "not-yet"), servers="http://127.0.0.1:9")
+    assert report.ok and report.results == () and caplog.records == []
+
+
+def test_recover_speaks_cli(tmp_path: Path) -> None:
+    ledger = tmp_path / "ledger"
+    ledger.mkdir(mode=0o700)
+    no_server = _cli("recover", str(ledger))
+    assert no_server.returncode == 2 and "pass --url URL (or set AGENT_SERVER_URL or SWE_AGENT_URL)" in no_server.stderr
+    assert "servers=" not in no_server.stderr
+    flag = _cli("recover", "--ledger", str(ledger), "--url", "http://127.0.0.1:9")
+    assert flag.returncode == 2
+    assert "the ledger directory is positional: swe-flush recover DIR --url URL" in flag.stderr
+    assert str(ledger) not in flag.stderr  # values are never shown
+
+
+@pytest.mark.parametrize("content", ['[{"x": 1}]', '{"8000": [1, 2]}', '"abc"'])
+def test_ids_json_names_the_shape_it_wants(tmp_path: Path, content: str) -> None:
+    path = tmp_path / "ids.json"
+    path.write_text(content)
+    out = _cli("--url", "http://127.0.0.1:9", "--ids-json", str(path))
+    assert out.returncode == 2
+    assert 'must hold a list of ids (["a", "b"]), an object of port -> id ({"8000": "a"}), or an object holding ' \
+           "session_server_instance_ids and/or session_server_instance_id" in out.stderr
+
+
+@pytest.mark.parametrize(("typed", "shown_as"), [("127.0.0.1:8000", "'127.0.0.1:8000'"),
+                                                 ("http//admin:hunter2@host/x", "'***@host'")])
+def test_a_bad_url_shows_what_was_typed_without_credentials(typed: str, shown_as: str) -> None:
+    out = _cli("--url", typed, "--id", "a")
+    assert out.returncode == 2 and f"--url: {shown_as} must start with http:// or https://" in out.stderr
+    assert "hunter2" not in out.stderr
