@@ -122,6 +122,10 @@ def _server(url: str, bearer: Any, tls: Mapping[str, Any]) -> Check:
         said = "" if result.cancelled is None else f", cancelled {result.cancelled}"
         return Check(name, "ok", f"reachable; /flush of an unknown id answered {result.status_code}{said}: the "
                                  "bearer is accepted")
+    if result.status_code in (401, 403) and bearer is None:
+        return Check(name, "fail", f"/flush answered {result.status_code} and no bearer is set: set "
+                                   f"{SECRET_ENV_VARS[0]} to the server's secret (or {RUN_SECRET_ENV_VAR} for scoped "
+                                   "bearers)")
     if result.status_code in (401, 403):
         return Check(name, "fail", f"/flush answered {result.status_code}: the server refuses the bearer; set the "
                                    f"one it expects ({SECRET_ENV_VARS[0]}, or {RUN_SECRET_ENV_VAR} for scoped "
@@ -130,8 +134,23 @@ def _server(url: str, bearer: Any, tls: Mapping[str, Any]) -> Check:
         return Check(name, "fail", "/flush answered 404: no such endpoint at this URL; check the host, port and "
                                    "path prefix")
     if result.status_code is not None:
-        return Check(name, "fail", f"/flush answered {result.status_code}: {result.error or 'not 2xx'}")
-    return Check(name, "fail", f"not reachable: {result.error or 'no answer'}")
+        return Check(name, "fail", f"/flush answered {result.status_code}: {result.error or 'not 2xx'}; see the "
+                                   "server's log for this request")
+    return Check(name, "fail", f"not reachable: {result.error or 'no answer'}; {_advice(url, result.error or '')}")
+
+
+def _advice(url: str, error: str) -> str:
+    """What to change when a server does not answer, from what went wrong."""
+    if "certificate" in error:
+        return ("pass --ca-bundle PATH (or set REQUESTS_CA_BUNDLE) to the CA that signed the server's certificate, "
+                "or fix the certificate")
+    if error.startswith("TLS error"):
+        return "check that the server speaks TLS here, and the TLS options (--ca-bundle, --client-cert)"
+    if url.startswith("http://") and ("dropped" in error or "reset" in error):
+        return "if the server speaks https, use https:// in the URL"
+    if "refused" in error:
+        return "nothing listens there: start the agent server, or fix the host and port in the URL"
+    return "check that the agent server runs and that this URL reaches it from here"
 
 
 def _guard(path: str | None, checks: list[Check]) -> bool:

@@ -156,3 +156,25 @@ def test_the_limits_and_versions_are_said(stub: AgentServerStub) -> None:
     assert out.returncode == 0  # a warning is not a failure
     assert checks["open files"]["status"] == "warn" and "ulimit -n" in checks["open files"]["detail"]
     assert {"python", "requests", "urllib3"} <= set(checks) and checks["python"]["status"] == "ok"
+
+
+def test_every_failing_server_line_says_what_to_change(stub: AgentServerStub,
+                                                      agent_server_tls: AgentServerStub) -> None:
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    expected = {
+        f"http://127.0.0.1:{port}": "not reachable: could not connect: connection refused; nothing listens there: "
+                                    "start the agent server, or fix the host and port in the URL",
+        agent_server_tls.url: "not reachable: TLS error: certificate verify failed: unable to get local issuer "
+                              "certificate; pass --ca-bundle PATH (or set REQUESTS_CA_BUNDLE) to the CA that signed "
+                              "the server's certificate, or fix the certificate",
+        agent_server_tls.url.replace("https://", "http://"): "not reachable: connection dropped by the server; if the "
+                                                             "server speaks https, use https:// in the URL",
+        stub.url: "/flush answered 401 and no bearer is set: set HARBOR_ADMIN_SECRET to the server's secret (or "
+                  "HARBOR_RUN_SECRET for scoped bearers)",
+    }
+    for url, detail in expected.items():
+        code, checks, _ = doctor(AGENT_SERVER_URL=url)
+        assert code == 1 and server_check(checks) == {"name": server_check(checks)["name"], "status": "fail",
+                                                      "detail": detail}
