@@ -29,6 +29,19 @@ _ENV_VARS = (
 )
 
 
+@pytest.fixture(autouse=True, scope="session")
+def sigint_as_python_starts_it() -> Iterator[None]:
+    """Ctrl-C as a Python started from a terminal has it, in this process and so in every child.
+
+    A suite started as a background job of a script (``cmd &``, ``nohup``, some CI runners) inherits
+    SIGINT ignored, and an ignored signal stays ignored across ``exec``: no child would see a Ctrl-C
+    test's SIGINT, and ``_thread.interrupt_main`` does nothing. A handled one is reset to the default
+    at ``exec``, so with Python's own handler here every child Python installs its own again."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in _ENV_VARS:
@@ -84,6 +97,20 @@ def end_watchdogs() -> Iterator[None]:
         pid = _watchdog_pids.pop()
         if not gone(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+NOTHING_MORE_WINDOW = 1.0  # seconds a negative check watches for what must not happen
+
+
+def stays(condition: Callable[[], bool], window: float = NOTHING_MORE_WINDOW) -> bool:
+    """True when ``condition()`` holds all through ``window`` seconds (polled every few ms): a check
+    that something does not happen watches for it over a stated window, not after a fixed sleep."""
+    end = time.monotonic() + window
+    while time.monotonic() < end:
+        if not condition():
+            return False
+        time.sleep(0.005)
+    return condition()
 
 
 def gone(pid: int) -> bool:

@@ -152,7 +152,10 @@ def test_ctrl_c_during_a_long_flush_ends_the_process_at_once(stub: AgentServerSt
               deadline=30)
     """)
     wait_line(proc, "READY")
-    time.sleep(0.5)  # the flush is waiting on the hung id by now
+    end = time.monotonic() + 10  # the flush is waiting on the hung id, "a" answered
+    while not ({"hung", "a"} <= {r.instance_id for r in stub.requests} and "a" in stub.flushed_ids()):
+        assert time.monotonic() < end, stub.requests
+        time.sleep(0.01)
     sent = time.monotonic()
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=10)

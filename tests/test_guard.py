@@ -22,7 +22,7 @@ from swe_flush_sync import ConfigError, FlushError, recover, watchdog
 from swe_flush_sync import _watchdog as watchdog_module
 from swe_flush_sync.testing import AgentServerStub
 
-from .conftest import PYTHON, SECRET, Guard, spawn, subprocess_env
+from .conftest import PYTHON, SECRET, Guard, spawn, stays, subprocess_env
 from .test_ledger import ENV, records, write_record
 from .test_ledger_trust import contained_trainer, namespace_init, needs_unshare
 from .test_watchdog import IDS, Trainer, wait_until
@@ -71,8 +71,7 @@ def test_a_trainer_that_is_pid_1_of_its_container(stub: AgentServerStub, start_g
     os.kill(init, signal.SIGKILL)  # PID 1 dies: the kernel kills everything in its namespace
     unshare.wait(10)
     assert wait_until(lambda: [stub.trials(i) for i in IDS] == [0, 0, 0], 5.0)
-    time.sleep(0.2)
-    assert Counter(stub.flushed_ids()) == dict.fromkeys(IDS, 1) and guard.proc.poll() is None
+    assert stays(lambda: Counter(stub.flushed_ids()) == dict.fromkeys(IDS, 1)) and guard.proc.poll() is None
 
 
 @needs_unshare
@@ -111,8 +110,7 @@ def test_refresh_then_death_flushes_the_new_ids(stub: AgentServerStub, start_gua
     trainer.proc.kill()
     trainer.death()
     assert wait_until(lambda: len(stub.requests) >= 2, 3.0)
-    time.sleep(0.2)
-    assert sorted(stub.flushed_ids()) == ["wd-c", "wd-new"]
+    assert stays(lambda: sorted(stub.flushed_ids()) == ["wd-c", "wd-new"])
 
 
 def test_twelve_trainers_killed_at_once(stub: AgentServerStub, start_guard: Callable[..., Guard]) -> None:
@@ -132,8 +130,8 @@ def test_twelve_trainers_killed_at_once(stub: AgentServerStub, start_guard: Call
     for trainer in trainers:
         trainer.proc.kill()
     assert wait_until(lambda: len(stub.requests) >= 24, 5.0)
-    time.sleep(0.3)
     expected = {f"t{index}-{side}": 1 for index in range(12) for side in "ab"}
+    assert stays(lambda: Counter(stub.flushed_ids()) == expected)
     assert Counter(stub.flushed_ids()) == expected and _status(guard) == (guard.proc.pid, 0)
 
 
@@ -178,8 +176,7 @@ def test_a_restarted_guard_takes_the_trainer_back(stub: AgentServerStub, start_g
     trainer.proc.kill()
     trainer.death()
     assert wait_until(lambda: len(stub.requests) >= 3, 3.0)
-    time.sleep(0.2)
-    assert sorted(stub.flushed_ids()) == ["wd-a", "wd-b", "wd-later"]
+    assert stays(lambda: sorted(stub.flushed_ids()) == ["wd-a", "wd-b", "wd-later"])
 
 
 def test_a_live_guard_keeps_its_socket(stub: AgentServerStub, start_guard: Callable[..., Guard],

@@ -230,7 +230,8 @@ def test_no_file_in_the_ledger_holds_a_secret(stub_factory: Callable[..., AgentS
     for path in tmp_path.iterdir():
         text = path.read_text()
         assert master not in text and not any(bearer(i) in text for i in ["wd-a", "wd-b", "wd-c", "wd-d"])
-    assert oct(tmp_path.stat().st_mode & 0o777) and oct(records(tmp_path)[0].stat().st_mode & 0o777) == "0o600"
+    assert oct(tmp_path.stat().st_mode & 0o777) == "0o700"
+    assert oct(records(tmp_path)[0].stat().st_mode & 0o777) == "0o600"
 
 
 @pytest.fixture
