@@ -76,9 +76,11 @@ class ScopedBearer:
     Calling it with an id that does not match ``SCOPED_ID_PATTERN`` raises ``ConfigError``:
     such a pair fails and is never sent.
 
-    Example:
-        >>> ScopedBearer("m" * 32)("inst-1")[:12]
-        '4aa20b800cd4'
+    Examples:
+        ```python
+        ScopedBearer("m" * 32)("inst-1")[:12]
+        # '4aa20b800cd4'
+        ```
     """
 
     master_secret: str

@@ -111,10 +111,11 @@ class Flusher:
     Raises:
         ConfigError: an option is invalid; the message names it.
 
-    Example:
-        >>> with Flusher("http://agent:8000", admin_secret=secret) as flusher:
-        ...     report = flusher.flush(["inst-1", "inst-2"], deadline=5)
-
+    Examples:
+        ```python
+        with Flusher("http://agent:8000", admin_secret=secret) as flusher:
+            report = flusher.flush(["inst-1", "inst-2"], deadline=5)
+        ```
     Not guaranteed: a worker blocked in a DNS lookup or a TCP connect can outlive the deadline
     by the resolver's timeout or ``connect_timeout``; its pair is already reported.
     """
@@ -455,8 +456,10 @@ def flush(server_urls: str | Sequence[str], instance_ids: str | Iterable[str] | 
     Arguments as for ``Flusher`` and ``Flusher.flush``; ``linger`` defaults to 0 here (the pool
     closes with the call). Raises ``ConfigError`` on bad URLs, ids or options.
 
-    Example:
-        >>> flush("http://agent:8000", ["inst-1"], deadline=5).raise_for_failures()
+    Examples:
+        ```python
+        flush("http://agent:8000", ["inst-1"], deadline=5).raise_for_failures()
+        ```
     """
     options.setdefault("linger", 0.0)
     with Flusher(server_urls, **options) as flusher:

@@ -396,8 +396,10 @@ def recover(ledger: str, *, servers: str | Iterable[str] | None = None, environ:
         ConfigError: ``ledger`` is not a path, no server is named, or a bad option. Never for a
             bad ledger.
 
-    Example:
-        >>> recover("/checkpoints/swe-flush-ledger", servers="http://agent:8000").ok
+    Examples:
+        ```python
+        recover("/checkpoints/swe-flush-ledger", servers="http://agent:8000").ok
+        ```
     """
     options.setdefault("until_idle", True)
     return recover_with(ledger, servers, environ, FlushOptions(**options, linger=0.0))

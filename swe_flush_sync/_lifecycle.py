@@ -261,8 +261,10 @@ def abort(args: Any, *, environ: Mapping[str, str] | None = None, **options: Unp
     Raises:
         TypeError: a misspelt option (at the call, like any misspelt keyword).
 
-    Example:
-        >>> report = abort(args)
+    Examples:
+        ```python
+        report = abort(args)
+        ```
     """
     try:
         flush_options = FlushOptions(**options)
@@ -284,8 +286,10 @@ async def abort_async(args: Any, *, environ: Mapping[str, str] | None = None,
     exactly the arguments of ``abort`` and returns its ``FlushReport``. Cancelling the awaiting
     task does not stop the flush, which still ends by its deadline.
 
-    Example:
-        >>> report = await abort_async(args, deadline=5)
+    Examples:
+        ```python
+        report = await abort_async(args, deadline=5)
+        ```
     """
     import asyncio  # loaded already wherever a coroutine runs; not paid by sync trainers
 
@@ -429,8 +433,10 @@ def flush_on_signal(args: Any, *, signals: Iterable[int] = (signal.SIGTERM,), en
     Raises:
         ConfigError: not called from the main thread, or a bad option.
 
-    Example:
-        >>> hook = flush_on_signal(args, deadline=20)
+    Examples:
+        ```python
+        hook = flush_on_signal(args, deadline=20)
+        ```
     """
     _require_main_thread("flush_on_signal")
     options.setdefault("until_idle", True)  # the trainer is ending: nothing queued may start after it
@@ -509,8 +515,10 @@ def flush_at_exit(args: Any, *, environ: Mapping[str, str] | None = None,
     Raises:
         ConfigError: a bad option.
 
-    Example:
-        >>> flush_at_exit(args, deadline=10)
+    Examples:
+        ```python
+        flush_at_exit(args, deadline=10)
+        ```
     """
     options.setdefault("until_idle", True)  # the trainer is ending: nothing queued may start after it
     flush_options = FlushOptions(**options, linger=0.0)  # nothing lingers past the exit

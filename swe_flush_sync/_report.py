@@ -62,10 +62,12 @@ class FlushReport:
         error: a problem that stopped the flush before any pair ran (bad configuration in
             ``abort``), or that ``recover`` met beside its results (ids set aside), else None.
 
-    Example:
-        >>> report = FlushReport(results=(), elapsed=0.0)
-        >>> report.ok, report.cancelled
-        (True, 0)
+    Examples:
+        ```python
+        report = FlushReport(results=(), elapsed=0.0)
+        report.ok, report.cancelled
+        # (True, 0)
+        ```
     """
 
     results: tuple[FlushResult, ...] = ()

@@ -41,10 +41,12 @@ def resolve_instance_ids(args: Any) -> tuple[str, ...]:
         ConfigError: neither name is present, reading one raised, the plural value is not a
             Mapping or iterable, or an id is not a str.
 
-    Example:
-        >>> resolve_instance_ids({"session_server_instance_ids": {8000: "a", 8001: "b"},
-        ...                       "session_server_instance_id": "a"})
-        ('a', 'b')
+    Examples:
+        ```python
+        resolve_instance_ids({"session_server_instance_ids": {8000: "a", 8001: "b"},
+                              "session_server_instance_id": "a"})
+        # ('a', 'b')
+        ```
     """
     plural = _read_field(args, PLURAL_ATTR)
     singular = _read_field(args, SINGULAR_ATTR)
@@ -120,9 +122,11 @@ def resolve_server_urls(environ: Mapping[str, str] | None = None) -> tuple[str, 
             credentials, a query or a fragment. The message names the variable and shows
             the URL with any ``user:pass@`` replaced by ``***@``.
 
-    Example:
-        >>> resolve_server_urls({"AGENT_SERVER_URL": "http://node1:8000/, http://node2:8000"})
-        ('http://node1:8000', 'http://node2:8000')
+    Examples:
+        ```python
+        resolve_server_urls({"AGENT_SERVER_URL": "http://node1:8000/, http://node2:8000"})
+        # ('http://node1:8000', 'http://node2:8000')
+        ```
     """
     env = os.environ if environ is None else environ
     for var in URL_ENV_VARS:
@@ -143,9 +147,11 @@ def resolve_bearer(environ: Mapping[str, str] | None = None) -> StaticBearer | S
         ConfigError: the secret found is not valid; the message names the variable, never
             its value.
 
-    Example:
-        >>> resolve_bearer({"HARBOR_ADMIN_SECRET": "s3cret"})
-        StaticBearer('***', source='HARBOR_ADMIN_SECRET')
+    Examples:
+        ```python
+        resolve_bearer({"HARBOR_ADMIN_SECRET": "s3cret"})
+        # StaticBearer('***', source='HARBOR_ADMIN_SECRET')
+        ```
     """
     env = os.environ if environ is None else environ
     for var in SECRET_ENV_VARS:
@@ -212,9 +218,11 @@ def redact_url(url: str) -> str:
     credentials (whatever stood before the last ``@``); nothing after the host (a path or query
     may hold a secret). A value with no scheme is shown the same way: ``'127.0.0.1:8000'``.
 
-    Example:
-        >>> redact_url("http://admin:pa55/x@host:9/path")
-        'http://***@host:9'
+    Examples:
+        ```python
+        redact_url("http://admin:pa55/x@host:9/path")
+        # 'http://***@host:9'
+        ```
     """
     scheme, sep, rest = url.partition("://")
     if not sep:

@@ -143,11 +143,13 @@ class AgentServerStub:
             a client certificate if wanted): serve https instead of http.
         ca_bundle: the CA file that trusts the stub's certificate, kept for its clients (not read).
 
-    Example:
-        >>> with AgentServerStub(secret="s3cret", teardown=0.1) as stub:
-        ...     stub.add_trials("inst-1", 3)
-        ...     flush(stub.url, ["inst-1"], admin_secret="s3cret").cancelled
-        3
+    Examples:
+        ```python
+        with AgentServerStub(secret="s3cret", teardown=0.1) as stub:
+            stub.add_trials("inst-1", 3)
+            flush(stub.url, ["inst-1"], admin_secret="s3cret").cancelled
+        # 3
+        ```
     """
 
     def __init__(self, *, secret: str | None = None, teardown: float = 0.0, host: str = "127.0.0.1",

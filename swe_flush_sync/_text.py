@@ -13,9 +13,11 @@ def shown(text: str, limit: int = MAX_SHOWN) -> str:
     """``text`` with control characters, escapes and lone surrogates written as ``\\n``, ``\\x1b``,
     ``\\udc80``; cut to ``limit`` characters (marked ``...``).
 
-    Example:
-        >>> shown("a\\nCRITICAL ok\\x1b[2J")
-        'a\\\\nCRITICAL ok\\\\x1b[2J'
+    Examples:
+        ```python
+        shown("a\\nCRITICAL ok\\x1b[2J")
+        # 'a\\\\nCRITICAL ok\\\\x1b[2J'
+        ```
     """
     out = []
     for ch in text[:limit]:

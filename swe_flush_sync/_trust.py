@@ -15,8 +15,10 @@ import stat
 def ownership_problem(info: os.stat_result) -> str | None:
     """What makes a file or directory with ``info`` untrustworthy to this user, or None.
 
-    Example:
-        >>> ownership_problem(os.stat("/"))  # owned by root, writable by root only
+    Examples:
+        ```python
+        ownership_problem(os.stat("/"))  # owned by root, writable by root only
+        ```
     """
     if info.st_uid not in (os.geteuid(), 0):
         return f"is owned by uid {info.st_uid}, not by this user (uid {os.geteuid()}) or root"

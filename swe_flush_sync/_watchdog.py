@@ -766,8 +766,10 @@ def watchdog(args: Any, *, guard: str | None = None, environ: Mapping[str, str] 
             socket is served by another uid (nothing was sent); the guard refused the state
             (the message says why) or speaks an older protocol.
 
-    Example:
-        >>> guard = watchdog(args, deadline=30)
+    Examples:
+        ```python
+        dog = watchdog(args, deadline=30)
+        ```
     """
     options.setdefault("until_idle", True)
     flush_options = FlushOptions(**options, linger=0.0)

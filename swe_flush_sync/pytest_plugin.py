@@ -1,13 +1,14 @@
 """A pytest plugin (loaded through the ``pytest11`` entry point): the ``agent_server`` fixture, and
 ``agent_server_tls`` for the same over https.
 
-Example:
-
+Examples:
+    ```python
     def test_my_abort(agent_server):
         agent_server.add_trials("inst-1", 2)
         agent_server.fault("inst-2", statuses=[503])
         report = flush(agent_server.url, ["inst-1", "inst-2"])
         assert report.ok and sorted(agent_server.flushed_ids()) == ["inst-1", "inst-2"]
+    ```
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ def agent_server_tls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent
     """The same stub serving https, with a certificate for 127.0.0.1 made by ``trustme`` (skipped
     where trustme is not installed). Trust it with ``ca_bundle=agent_server_tls.ca_bundle``.
 
-    Example:
-
+    Examples:
+        ```python
         def test_my_abort_over_tls(agent_server_tls):
             report = flush(agent_server_tls.url, ["inst-1"], ca_bundle=agent_server_tls.ca_bundle)
+        ```
     """
     trustme = pytest.importorskip("trustme")
     authority = trustme.CA()

@@ -2,8 +2,8 @@
 
 Every ```python block of README.md and docs/*.md runs here against the stub, in a fresh
 interpreter: a block defining ``test_*`` functions runs under pytest (the package's own
-fixtures), any other as a script with the trainer's names filled in (``args``, ``num_steps``,
-...). A block preceded by ``<!-- excerpt: why -->`` is not run (it needs Ray, say); the marker
+fixtures), exactly as written, imports included; any other as a script with the trainer's names
+filled in (``args``, ``num_steps``, ...). A block preceded by ``<!-- excerpt: why -->`` is not run (it needs Ray, say); the marker
 says so in the page's source.
 """
 
@@ -92,7 +92,7 @@ def test_example_runs(name: str, code: str, excerpt: str | None, stub: AgentServ
         assert read_until(guard, lambda line: line.startswith("guarding "), []) is not None
     if "def test_" in code:
         script = short_dir / "test_example.py"
-        script.write_text("from swe_flush_sync import *  # a page's later examples go on from its first\n" + code)
+        script.write_text(code)  # as written: a user copies it into a test file of their own
         run = subprocess.run([PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(script)],
                              capture_output=True, text=True, env=env, timeout=120, cwd=short_dir)
         assert run.returncode == 0 and " passed" in run.stdout, run.stdout + run.stderr
@@ -196,3 +196,16 @@ def test_the_configuration_page_lists_every_variable_the_code_reads() -> None:
     constants = set(re.findall(r"^([A-Z_]*ENV_VARS?): Final = ", sources, re.MULTILINE))
     assert constants == {"URL_ENV_VARS", "SECRET_ENV_VARS", "RUN_SECRET_ENV_VAR", "CA_BUNDLE_ENV_VARS",
                          "LEDGER_ENV_VAR", "GUARD_ENV_VAR"}  # a new one fails here until it is listed above
+
+
+def test_the_reference_renders_examples_as_code() -> None:
+    """The API reference (mkdocstrings) shows each docstring's ``Examples:`` as a code block, never as
+    the nested blockquotes a ``>>>`` under ``Example:`` became."""
+    page = REPO / "build" / "site" / "reference" / "index.html"
+    if not page.exists():
+        pytest.skip("the site is not built here (make docs builds it; CI builds it before the suite)")
+    html = page.read_text()
+    quotes = re.findall(r"<blockquote.*?</blockquote>", html, re.DOTALL)
+    assert [quote for quote in quotes if "<code" in quote or "&gt;&gt;&gt;" in quote] == []
+    sections = re.findall(r'doc-section-title">Examples:</span></p>\s*<div class="highlight"><pre>', html)
+    assert len(sections) == html.count('doc-section-title">Examples:') >= 15
