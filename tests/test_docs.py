@@ -3,8 +3,8 @@
 Every ```python block of README.md and docs/*.md runs here against the stub, in a fresh
 interpreter: a block defining ``test_*`` functions runs under pytest (the package's own
 fixtures), exactly as written, imports included; any other as a script with the trainer's names
-filled in (``args``, ``num_steps``, ...). A block preceded by ``<!-- excerpt: why -->`` is not run (it needs Ray, say); the marker
-says so in the page's source.
+filled in (``args``, ``num_steps``, ...). A block preceded by ``<!-- excerpt: why -->`` is not run
+(it needs Ray, say); the marker says so in the page's source.
 """
 
 from __future__ import annotations
