@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+import re
 import resource
 import secrets
 import sys
@@ -247,10 +248,25 @@ def _files() -> Check:
     return Check("open files", "ok", f"soft limit {soft}")
 
 
+def tested_pythons() -> list[tuple[int, int]]:
+    """The Python versions this package is tested on: its classifiers, read from its installed metadata
+    (one list, so the check below and the package's page cannot drift); empty when not installed."""
+    try:
+        classifiers = importlib.metadata.metadata("swe_flush_sync").get_all("Classifier") or []
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    found = (re.fullmatch(r"Programming Language :: Python :: 3\.(\d+)", classifier) for classifier in classifiers)
+    return sorted((3, int(match.group(1))) for match in found if match)
+
+
 def _versions() -> list[Check]:
     python = platform.python_version()
-    checks = [Check("python", "ok" if (3, 10) <= sys.version_info[:2] <= (3, 13) else "warn",
-                    f"{python}" + ("" if (3, 10) <= sys.version_info[:2] <= (3, 13) else " (tested: 3.10 to 3.13)"))]
+    tested = tested_pythons()
+    if sys.version_info[:2] in tested:
+        checks = [Check("python", "ok", python)]
+    else:
+        span = f"3.{tested[0][1]} to 3.{tested[-1][1]}" if tested else "unknown: the package's metadata is missing"
+        checks = [Check("python", "warn", f"{python} (tested: {span})")]
     for name, floor, ceiling in (("requests", (2, 30), (99,)), ("urllib3", (2, 0), (3,))):
         version = importlib.metadata.version(name)
         parts = tuple(int(part) for part in version.split(".")[:2] if part.isdigit())

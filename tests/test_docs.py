@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import inspect
 import json
 import os
 import re
@@ -126,7 +127,7 @@ def test_the_framework_hook_as_the_framework_loads_it(stub: AgentServerStub, tmp
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     hook = getattr(module, "abort", None)
-    assert hook is not None and asyncio.iscoroutinefunction(hook)
+    assert hook is not None and inspect.iscoroutinefunction(hook)
     args = argparse.Namespace(session_server_instance_ids={30000: "fw-a", 30001: "fw-b"},
                               session_server_instance_id="fw-a")
     report = asyncio.run(hook(args))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import textwrap
@@ -15,7 +16,7 @@ import pytest
 
 from swe_flush_sync.testing import AgentServerStub
 
-from .conftest import PYTHON, SECRET, Guard, read_until, spawn, subprocess_env
+from .conftest import PYTHON, REPO, SECRET, Guard, read_until, spawn, subprocess_env
 from .test_ledger_trust import needs_unshare
 
 MASTER = "scoped-master-secret-" + "m" * 20
@@ -178,3 +179,11 @@ def test_every_failing_server_line_says_what_to_change(stub: AgentServerStub,
         code, checks, _ = doctor(AGENT_SERVER_URL=url)
         assert code == 1 and server_check(checks) == {"name": server_check(checks)["name"], "status": "fail",
                                                       "detail": detail}
+
+
+def test_the_python_check_follows_the_classifiers() -> None:
+    from swe_flush_sync._doctor import tested_pythons
+
+    declared = re.findall(r"Programming Language :: Python :: (3\.\d+)\n", (REPO / "setup.cfg").read_text())
+    assert [f"3.{minor}" for _, minor in tested_pythons()] == declared  # one list: the package's metadata
+    assert tested_pythons()[0] == (3, 10) and (3, 15) in tested_pythons()
