@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEPS := setup.cfg setup.py pyproject.toml
 
-.PHONY: demo test lint matrix ray-deps sdist-test docs dist bench bench-quick clean
+.PHONY: demo test lint matrix sid ray-deps sdist-test docs dist bench bench-quick clean
 # The bin folders of every installed pyenv Python 3.10-3.13, put first on PATH for tox.
 PYENV_BINS := $(shell for v in $$(pyenv versions --bare 2>/dev/null | grep -E '^3\.1[0-3]\.[0-9]+$$'); do printf '%s:' "$$(pyenv prefix $$v)/bin"; done)
 
@@ -50,6 +50,12 @@ $(VENV)/.installed-matrix: $(VENV)/.installed
 # [tox:tox]); a missing interpreter fails the run.
 matrix: $(VENV)/.installed-matrix
 	PATH="$(PYENV_BINS)$$PATH" $(BIN)/tox run --skip-missing-interpreters false $(if $(ENVS),-e $(ENVS))
+
+# The suite on Python 3.14 and 3.15 from Debian sid's packages, side by side in a debootstrap root
+# (.ci/sid; root only: it mounts and chroots). The root is kept in /var/cache/swe-flush-sid.
+sid:
+	bash .ci/sid root
+	bash .ci/sid test 3.14 3.15
 
 # Build the sdist, unpack it elsewhere and run its own tests against it.
 sdist-test: $(VENV)/.installed

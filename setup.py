@@ -26,7 +26,7 @@ INSTALL = """## Install
 pip install swe-flush-sync
 ```
 
-Linux (it reads /proc and uses SO_PEERCRED and os.register_at_fork), Python 3.10 to 3.13;
+Linux (it reads /proc and uses SO_PEERCRED and os.register_at_fork), Python 3.10 to 3.15;
 runtime dependencies `requests>=2.30` and `urllib3>=2.0.2,<3`.
 """
 DOCUMENTATION = """## Documentation

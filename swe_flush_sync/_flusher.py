@@ -42,7 +42,11 @@ if TYPE_CHECKING:
 Pair = tuple[str, str]  # (server url, instance id)
 Call = Callable[[], FlushResult]  # one request, bound to its pair and token
 Runner = Callable[[Sequence[Call]], list[Future[FlushResult]]]  # runs calls elsewhere than the executor
-REPORT_COST: Final = 1e-5  # seconds a pair left unsent may cost to report (100,000: 1 s, kept off the deadline)
+# Seconds a pair left unsent may take to report, kept off the deadline: this many times what setting
+# one pair up took this call (a loaded host is slower at both), within REPORT_COST (100,000 pairs:
+# 0.5 to 1.5 s).
+REPORT_FACTOR: Final = 4
+REPORT_COST: Final = (5e-6, 1.5e-5)
 MAX_ROUNDS: Final = 64  # passes per pair at most with until_idle (the deadline usually ends them first)
 
 
@@ -75,6 +79,7 @@ class _Call(NamedTuple):
     rounds: dict[str, int]  # per server, the rounds started
     by_server: dict[str, list[_Track]]  # the tracks of each server
     answered: dict[str, Future[None]]  # per server still going, done once its round is all answered
+    pair_cost: float  # seconds setting one pair up took this call: how fast this host is right now
 
 
 def _when_all_answered(futures: list[Future[FlushResult]]) -> Future[None]:
@@ -197,7 +202,9 @@ class Flusher:
         by_server: dict[str, list[_Track]] = {url: [] for url in self._urls}
         for track in tracks.values():
             by_server[track.pair[0]].append(track)
-        call = _Call(tracks, started, started + budget, repeat, runner, dict.fromkeys(self._urls, 1), by_server, {})
+        pair_cost = (time.monotonic() - started) / max(len(tracks), 1)
+        call = _Call(tracks, started, started + budget, repeat, runner, dict.fromkeys(self._urls, 1), by_server, {},
+                     pair_cost)
         if not call.tracks:
             return FlushReport(elapsed=time.monotonic() - started)
         with self._lock:
@@ -268,7 +275,8 @@ class Flusher:
         sent = 0
         # The deadline is looked at before each (starting a worker may take a while), keeping the time
         # needed to report the pairs that would be left unsent.
-        stop_at = call.deadline_at - REPORT_COST * len(fresh)
+        per_pair = min(max(REPORT_FACTOR * call.pair_cost, REPORT_COST[0]), REPORT_COST[1])
+        stop_at = call.deadline_at - per_pair * len(fresh)
         for track in fresh:
             if sent and time.monotonic() >= stop_at:
                 break

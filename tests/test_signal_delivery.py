@@ -44,7 +44,8 @@ def test_library_threads_block_the_trainers_signals(stub: AgentServerStub, start
 
 ROUNDS = 20
 BLOCKING = """
-import threading
+import faulthandler, threading
+faulthandler.register(signal.SIGUSR1)  # the test dumps every thread's stack if a round never flushes
 class Interrupted(Exception):
     pass
 def previous(signum, frame):
@@ -80,7 +81,12 @@ def test_sigterm_interrupts_a_blocked_main_thread_at_once(stub: AgentServerStub)
         instance_id = f"r{round_number}-{case}"
         sent = time.monotonic()
         trainer.proc.send_signal(signal.SIGTERM)
-        assert wait_until(lambda wanted=instance_id: wanted in stub.flushed_ids(), 10.0), f"{instance_id} never flushed"
+        if not wait_until(lambda wanted=instance_id: wanted in stub.flushed_ids(), 10.0):
+            trainer.proc.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
+            trainer.proc.kill()
+            _, err = trainer.proc.communicate(timeout=10)
+            raise AssertionError(f"{instance_id} never flushed; the trainer's stderr and threads:\n{err}")
         started = next(r.at for r in stub.requests if r.instance_id == instance_id) - sent
         if started >= 1.0:
             late.append((instance_id, round(started, 3)))

@@ -46,9 +46,12 @@ def test_a_client_certificate_required_by_uvicorn(harbor_factory: HarborFactory,
     given = flush(harbor.url, IDS, admin_secret=ADMIN, ca_bundle=pki["ca"], client_cert=pki["client"])
     assert given.ok
     # uvicorn (asyncio's TLS) closes the connection without sending TLS 1.3's certificate_required
-    # alert: all the client sees is an end of file, a dropped connection, retried as one.
+    # alert: the client sees an end of file, a dropped connection retried as one, or, as the timing
+    # of the close falls, the TLS layer's own word for that end (it varies from run to run).
     missing = flush(harbor.url, IDS, admin_secret=ADMIN, ca_bundle=pki["ca"], deadline=5, retries=1)
-    assert [r.error for r in missing.results] == ["connection dropped by the server"] * len(IDS)
+    assert not missing.ok
+    for result in missing.results:
+        assert result.error == "connection dropped by the server" or (result.error or "").startswith("TLS error: ")
     assert harbor.stats.flushes.count("inst-a") == 1  # only the flush with the certificate got through
     untrusted = flush(harbor.url, IDS, admin_secret=ADMIN, deadline=5)
     for result in untrusted.results:  # uvicorn sends its CA in the chain: "self-signed certificate in ..."
