@@ -85,15 +85,13 @@ class _Call(NamedTuple):
 def _when_all_answered(futures: list[Future[FlushResult]]) -> Future[None]:
     """A future done once every one of ``futures`` is (a countdown their callbacks run; no scan)."""
     answered: Future[None] = Future()
-    left = [len(futures)]
-    lock = threading.Lock()
+    left, lock = [len(futures)], threading.Lock()
 
     def one_more(_: Future[FlushResult]) -> None:
         with lock:
             left[0] -= 1
-            last = left[0] == 0
-        if last:
-            answered.set_result(None)
+            if not left[0]:
+                answered.set_result(None)
 
     if not futures:
         answered.set_result(None)
@@ -287,7 +285,7 @@ class Flusher:
                 track.final = _merged([*track.passes, FlushResult(*track.pair, ok=False, error=str(exc))], idle=None)
                 continue
             token = CancelToken(call.deadline_at, call.deadline_at + self._options.linger)
-            [future] = self._submit([functools.partial(transport.post, *track.pair, authorization, token)], call.runner)
+            future = self._submit(functools.partial(transport.post, *track.pair, authorization, token), call.runner)
             track.pending = self._inflight[track.pair] = _Pending(future, token)
             track.joined = False
         if sent < len(fresh):  # the deadline came first: what still waits for a worker is never sent
@@ -332,17 +330,13 @@ class Flusher:
             raise ConfigError(f"the bearer provider raised {type(exc).__name__}") from None
         return "Bearer " + check_token(token, "the bearer provider's token")
 
-    def _submit(self, calls: Sequence[Call], runner: Runner | None) -> list[Future[FlushResult]]:
+    def _submit(self, call: Call, runner: Runner | None) -> Future[FlushResult]:
         if runner is not None:
-            return runner(calls)
-        futures: list[Future[FlushResult]] = []
-        executor = self._executor_now()
-        for call in calls:
-            try:
-                futures.append(executor.submit(call))
-            except RuntimeError:  # at interpreter shutdown the executor refuses work: here, one by one
-                futures.append(_run_here(call))
-        return futures
+            return runner([call])[0]
+        try:
+            return self._executor_now().submit(call)
+        except RuntimeError:  # at interpreter shutdown the executor refuses work: here, in this thread
+            return _run_here(call)
 
     def _result(self, track: _Track, call: _Call) -> FlushResult:
         """The pair's result at the end of the call; a pass still out is reported unfinished."""
