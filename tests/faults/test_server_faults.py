@@ -73,8 +73,10 @@ def test_trickling_body_is_cut_at_the_deadline(stub: AgentServerStub, promises: 
 def test_hang(stub: AgentServerStub, promises: Promises) -> None:
     stub.fault("bad", hang=True)
     result = flush_one(stub, promises)
-    # the caller gives up at the deadline; the worker's clamped read timeout may say so first
-    assert not result.ok and (result.error or "").startswith("deadline passed") and result.attempts == 1
+    # the caller gives up at the deadline; the worker's clamped read timeout may say so first, and on
+    # a loaded host it may end the attempt a moment before the caller does ("read timed out; deadline
+    # passed before the next retry"): either way one attempt, cut by the deadline
+    assert not result.ok and "deadline passed" in (result.error or "") and result.attempts == 1
 
 
 def test_dropped_connection_is_retried_then_reported(stub: AgentServerStub, promises: Promises) -> None:
