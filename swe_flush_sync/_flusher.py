@@ -44,9 +44,9 @@ Call = Callable[[], FlushResult]  # one request, bound to its pair and token
 Runner = Callable[[Sequence[Call]], list[Future[FlushResult]]]  # runs calls elsewhere than the executor
 # Seconds a pair left unsent may take to report, kept off the deadline: this many times what setting
 # one pair up took this call (a loaded host is slower at both), within REPORT_COST (100,000 pairs:
-# 0.5 to 1.5 s).
+# 0.5 to 2.5 s, so half a 5 s deadline is left for sending at worst).
 REPORT_FACTOR: Final = 4
-REPORT_COST: Final = (5e-6, 1.5e-5)
+REPORT_COST: Final = (5e-6, 2.5e-5)
 MAX_ROUNDS: Final = 64  # passes per pair at most with until_idle (the deadline usually ends them first)
 
 
