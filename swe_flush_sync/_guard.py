@@ -563,10 +563,6 @@ class Guard:
                      f"{shown(', '.join(dropped))} (upgrade the guard)")
         return state
 
-    def held_bytes(self) -> int:
-        """Bytes of the budget taken now (``max_held`` at most)."""
-        return self._held_bytes
-
     def _status(self) -> bytes:
         return b"%d%s" % (self.trainers(), b" draining" if self._stopping_since is not None else b"")
 
