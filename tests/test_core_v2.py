@@ -40,7 +40,9 @@ def test_reflush_while_in_flight_joins_the_earlier_request(stub: AgentServerStub
 def test_linger_zero_cuts_at_the_deadline_and_sends_again(stub: AgentServerStub) -> None:
     stub.teardown = 1.0
     with Flusher(stub.url, admin_secret=SECRET, linger=0) as flusher:
-        assert flusher.flush(["a"], deadline=0.2).results[0].error == "deadline passed while in flight"
+        # cut at the deadline: by the caller, or on a loaded host a moment first by the clamped read timeout
+        error = flusher.flush(["a"], deadline=0.2).results[0].error or ""
+        assert error in ("deadline passed while in flight", "read timed out; deadline passed before the next retry")
         flusher.flush(["a"], deadline=0.2)
     assert stub.recancels >= 1  # what linger exists to prevent
 

@@ -46,5 +46,8 @@ def test_100000_ids_return_within_the_deadline(stub: AgentServerStub, entry: str
     assert seen["took"] <= 5.0 + 2.0, seen
     assert seen["results"] == 100_000
     assert set(seen["errors"]) <= {"ok", "never sent", "at the deadline"}, seen["errors"]
-    assert seen["errors"]["ok"] == len(stub.flushed_ids()) > 0  # what was answered is reported as such
+    # what was answered in time is reported ok; the stub also counts those answered after the caller
+    # reported them cut at the deadline
+    errors = seen["errors"]
+    assert 0 < errors["ok"] <= len(stub.flushed_ids()) <= errors["ok"] + errors.get("at the deadline", 0)
     assert seen["errors"]["never sent"] > 0  # the stub cannot take 100,000 in 5 s here: the rest is said
