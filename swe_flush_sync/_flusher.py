@@ -1,7 +1,8 @@
 """``Flusher``: one future per (server, id) pair, a deadline kept by the calling thread, single flight.
 
-Pairs go to a ``ThreadPoolExecutor`` interleaved across servers; the calling thread waits with
-``concurrent.futures.wait`` and reports what is unfinished at the deadline. A request still
+Pairs go to a ``ThreadPoolExecutor`` interleaved across servers, as its workers take them (a pass
+larger than the window is fed by the calling thread, which then waits for room); the calling
+thread waits with ``concurrent.futures.wait`` and reports what is unfinished at the deadline. A request still
 unanswered then lingers (up to ``linger`` s): a later flush of the pair joins it rather than
 cancel the server's teardown a second time. Only the sending call holds a request's
 ``CancelToken``; a joiner never gives it up. Lingering requests never keep a fresh pair from
@@ -47,6 +48,7 @@ Runner = Callable[[Sequence[Call]], list[Future[FlushResult]]]  # runs calls els
 # 0.5 to 2.5 s, so half a 5 s deadline is left for sending at worst).
 REPORT_FACTOR: Final = 4
 REPORT_COST: Final = (5e-6, 2.5e-5)
+QUEUED_PER_WORKER: Final = 2  # pairs handed to the executor ahead of each worker
 MAX_ROUNDS: Final = 64  # passes per pair at most with until_idle (the deadline usually ends them first)
 
 
@@ -205,10 +207,8 @@ class Flusher:
                      pair_cost)
         if not call.tracks:
             return FlushReport(elapsed=time.monotonic() - started)
-        with self._lock:
-            if self._closed:
-                raise FlushError("this Flusher is closed")
-            self._send_pass(list(call.tracks.values()), call)
+        if not self._send_pass(list(call.tracks.values()), call):
+            raise FlushError("this Flusher is closed")
         # Each server's round wakes this call once it is all answered: a server's next round never
         # waits for another server, and no answer costs a scan of every pair.
         try:
@@ -248,57 +248,72 @@ class Flusher:
         busy = any(t.passes[-1].cancelled for t in counting)
         if busy and call.rounds[url] < MAX_ROUNDS and time.monotonic() < call.deadline_at:
             call.rounds[url] += 1
-            with self._lock:
-                if not self._closed:
-                    self._send_pass(counting, call)
+            self._send_pass(counting, call)  # (a closed Flusher sends nothing: the pairs end with this round)
             return
         for track in counting:  # idle: the round cancelled nothing; else the cap or the deadline stopped it
             track.final = _merged(track.passes, idle=not busy)
 
-    def _send_pass(self, tracks: list[_Track], call: _Call) -> None:
-        """Join or send one pass of each track (lock held), with a look at the deadline before each
-        (nothing is prepared for a pair the deadline finds not sent: it ends saying so); a pair
-        without a bearer ends at once. Each server's round is then watched."""
-        self._forget_finished()  # answered requests are not joined: their pairs are sent afresh
-        fresh: list[_Track] = []
-        for track in tracks:
-            pending = self._inflight.get(track.pair)
-            if pending is not None:  # single flight: an earlier request is still out
-                track.pending, track.joined = pending, True
-            else:
-                fresh.append(track)
-        if call.runner is None:  # the hooks gave every lingering request up already
-            self._make_room(len(fresh))
-        transport = self._transport_now()
-        sent = 0
-        # The deadline is looked at before each (starting a worker may take a while), keeping the time
-        # needed to report the pairs that would be left unsent.
+    def _send_pass(self, tracks: list[_Track], call: _Call) -> bool:
+        """Join or send one pass of each track; False if the Flusher is closed. Pairs go out as the
+        workers take them, at most ``QUEUED_PER_WORKER`` a worker queued ahead, so that what the
+        deadline finds unsent was never prepared and ends at once saying so (as does a pair without
+        a bearer); the lock is held per pair, never while waiting. Each server's round is then watched."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._forget_finished()  # answered requests are not joined: their pairs are sent afresh
+            fresh = [track for track in tracks if not self._joined(track)]
+            if call.runner is None:  # the hooks gave every lingering request up already
+                self._make_room(len(fresh))
+            transport = self._transport_now()
+        room = threading.Semaphore(QUEUED_PER_WORKER * self._options.workers)
+        # The time needed to report the pairs that would be left unsent is kept off the deadline.
         per_pair = min(max(REPORT_FACTOR * call.pair_cost, REPORT_COST[0]), REPORT_COST[1])
         stop_at = call.deadline_at - per_pair * len(fresh)
+        sent, why = 0, "deadline passed"
         for track in fresh:
-            if sent and time.monotonic() >= stop_at:
+            left = stop_at - time.monotonic()
+            if (sent and left <= 0) or not room.acquire(timeout=max(left, 0)):
                 break
-            sent += 1
-            try:
-                authorization = self._authorization(track.pair[1])
-            except ConfigError as exc:
-                track.final = _merged([*track.passes, FlushResult(*track.pair, ok=False, error=str(exc))], idle=None)
-                continue
-            token = CancelToken(call.deadline_at, call.deadline_at + self._options.linger)
-            future = self._submit(functools.partial(transport.post, *track.pair, authorization, token), call.runner)
-            track.pending = self._inflight[track.pair] = _Pending(future, token)
-            track.joined = False
-        if sent < len(fresh):  # the deadline came first: what still waits for a worker is never sent
+            with self._lock:
+                if self._closed:
+                    why = "the Flusher was closed"
+                    break
+                sent += 1
+                if self._joined(track):  # another call sent the pair meanwhile
+                    room.release()
+                    continue
+                try:
+                    authorization = self._authorization(track.pair[1])
+                except ConfigError as exc:
+                    room.release()
+                    track.final = _merged([*track.passes, FlushResult(*track.pair, ok=False, error=str(exc))],
+                                          idle=None)
+                    continue
+                token = CancelToken(call.deadline_at, call.deadline_at + self._options.linger)
+                future = self._submit(functools.partial(transport.post, *track.pair, authorization, token), call.runner)
+                track.pending = self._inflight[track.pair] = _Pending(future, token)
+                track.joined = False
+            future.add_done_callback(lambda _: room.release())
+        if sent < len(fresh):  # stopped: what still waits for a worker is never sent
             for track in fresh[:sent]:  # (first, so that the workers go quiet before the bookkeeping below)
-                if track.pending is not None and track.pending.future.cancel():
-                    track.pending.token.cancel("deadline passed")
+                if track.pending is not None and not track.joined and track.pending.future.cancel():
+                    track.pending.token.cancel(why)
         idle = False if call.until_idle else None
         for track in fresh[sent:]:  # never prepared, never sent
-            never = FlushResult(*track.pair, ok=False, error="deadline passed before it was sent", idle=idle)
+            never = FlushResult(*track.pair, ok=False, error=f"{why} before it was sent", idle=idle)
             track.final = _merged([*track.passes, never], idle=idle) if track.passes else never
         for url in dict.fromkeys(t.pair[0] for t in tracks):
             call.answered[url] = _when_all_answered([t.pending.future for t in call.by_server[url]
                                                      if t.final is None and t.pending is not None])
+        return True
+
+    def _joined(self, track: _Track) -> bool:
+        """Single flight (lock held): join the pair's request still out, if an earlier call sent one."""
+        pending = self._inflight.get(track.pair)
+        if pending is not None:
+            track.pending, track.joined = pending, True
+        return pending is not None
 
     def _forget_finished(self) -> None:
         """Drop answered requests from the in-flight map; give up those past their linger."""

@@ -11,6 +11,7 @@ import textwrap
 
 import pytest
 
+from swe_flush_sync import flush
 from swe_flush_sync.testing import AgentServerStub
 
 from .conftest import PYTHON, SECRET, subprocess_env
@@ -40,10 +41,8 @@ def test_100000_ids_return_within_the_deadline(stub: AgentServerStub, entry: str
                          env=subprocess_env(AGENT_SERVER_URL=stub.url, HARBOR_ADMIN_SECRET=SECRET))
     assert out.returncode == 0, out.stderr[-2000:]
     seen = json.loads(out.stdout)
-    # The goal is the deadline plus 0.5 s (benchmarks.scale, quiet: 5.1-5.2 s); CI's machine has
-    # taken up to 6.4 s (Python 3.12, reporting ~95,000 unsent pairs after the deadline), so the
-    # bound asserted here is the deadline plus 2 s: 1.0.0 took 13.5-15 s.
-    assert seen["took"] <= 5.0 + 2.0, seen
+    # The deadline plus 0.5 s (1.0.0 took 13.5-15 s; 1.1.0 returns in 5.0-5.2 s here)
+    assert seen["took"] <= 5.0 + 0.5, seen
     assert seen["results"] == 100_000
     assert set(seen["errors"]) <= {"ok", "never sent", "at the deadline"}, seen["errors"]
     # what was answered in time is reported ok; the stub also counts those answered after the caller
@@ -51,3 +50,24 @@ def test_100000_ids_return_within_the_deadline(stub: AgentServerStub, entry: str
     errors = seen["errors"]
     assert 0 < errors["ok"] <= len(stub.flushed_ids()) <= errors["ok"] + errors.get("at the deadline", 0)
     assert seen["errors"]["never sent"] > 0  # the stub cannot take 100,000 in 5 s here: the rest is said
+
+
+def test_a_pass_larger_than_the_workers_prepares_only_what_they_take() -> None:
+    """Pairs are handed to the executor as workers take them (two a worker ahead): what the deadline
+    finds unsent was never prepared (its bearer never asked for), and it is reported at once."""
+    asked: list[str] = []
+
+    def bearer(instance_id: str) -> str:
+        asked.append(instance_id)
+        return SECRET
+
+    ids = [f"window-{number:02d}" for number in range(40)]
+    with AgentServerStub(secret=SECRET, teardown=1.0) as slow:
+        report = flush(slow.url, ids, bearer=bearer, max_workers=2, deadline=1.5)
+        flushed = slow.flushed_ids()
+    never = [r.instance_id for r in report.results if r.error == "deadline passed before it was sent"]
+    # 2 answered at 1 s, 2 more then sent; the window held 4 at most before that: 6 asked in all
+    assert len(asked) <= 2 * 3, asked
+    assert set(ids) - set(asked) <= set(never)  # (those queued for a worker, prepared, are never sent too)
+    assert set(flushed) <= set(asked)
+    assert sum(r.ok for r in report.results) == 2 and len(flushed) >= 2
