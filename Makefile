@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEPS := setup.cfg setup.py pyproject.toml
 
-.PHONY: demo test lint matrix sid ray-deps sdist-test docs dist bench bench-quick clean
+.PHONY: demo test lint matrix sid ray-deps sdist-test docs release wheel-test dist bench bench-quick clean
 # The bin folders of every installed pyenv Python 3.10-3.13, put first on PATH for tox.
 PYENV_BINS := $(shell for v in $$(pyenv versions --bare 2>/dev/null | grep -E '^3\.1[0-3]\.[0-9]+$$'); do printf '%s:' "$$(pyenv prefix $$v)/bin"; done)
 
@@ -48,8 +48,9 @@ $(VENV)/.installed-matrix: $(VENV)/.installed
 
 # The suite on Python 3.10, 3.11, 3.12, 3.13 and on the declared dependency floors (setup.cfg
 # [tox:tox]); a missing interpreter fails the run.
+# TOXFLAGS: more tox options (CI: its own --workdir, and --installpkg the built wheel).
 matrix: $(VENV)/.installed-matrix
-	PATH="$(PYENV_BINS)$$PATH" $(BIN)/tox run --skip-missing-interpreters false $(if $(ENVS),-e $(ENVS))
+	PATH="$(PYENV_BINS)$$PATH" $(BIN)/tox run --skip-missing-interpreters false $(if $(ENVS),-e $(ENVS)) $(TOXFLAGS)
 
 # The suite on Python 3.14 and 3.15 from Debian sid's packages, side by side in a debootstrap root
 # (.ci/sid; root only: it mounts and chroots). The root is kept in /var/cache/swe-flush-sid.
@@ -75,14 +76,15 @@ docs: $(VENV)/.installed-docs
 	mkdir -p docs/assets && cp benchmarks/results.png docs/assets/results.png
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
-# The release check: sdist and wheel, twine's strict check, a long description with no relative
-# link or image, check-wheel-contents, then the wheel installed alone into a fresh virtualenv
-# and the suite run against it (from a folder holding the tests and docs but not the package).
+# The release check (make release): sdist and wheel, twine's strict check, a long description with
+# no relative link or image, check-wheel-contents, then the wheel installed alone into a fresh
+# virtualenv; make dist also runs the suite against it (from a folder holding the tests and docs
+# but not the package).
 $(VENV)/.installed-release: $(VENV)/.installed
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,contract,release]'
 	touch $@
 
-dist: $(VENV)/.installed-release
+release: $(VENV)/.installed-release
 	rm -rf dist build/wheel-test
 	$(BIN)/python -m build --outdir dist .
 	$(BIN)/twine check --strict dist/*
@@ -93,7 +95,13 @@ dist: $(VENV)/.installed-release
 	mkdir -p build/wheel-test/run
 	cp -r tests docs README.md CHANGELOG.md setup.cfg build/wheel-test/run/
 	cd build/wheel-test/run && ../venv/bin/python -c "import swe_flush_sync, sys; f = swe_flush_sync.__file__; print('testing', f); sys.exit('site-packages' not in f)"
+
+# The suite against the wheel that `make release` installed (a folder without the package).
+wheel-test:
 	cd build/wheel-test/run && ../venv/bin/python -m pytest -q -p no:cacheprovider
+
+dist: release
+	$(MAKE) wheel-test
 
 bench: $(VENV)/.installed-bench
 	$(BIN)/python -m benchmarks --plot
