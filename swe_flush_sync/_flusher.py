@@ -44,10 +44,11 @@ Pair = tuple[str, str]  # (server url, instance id)
 Call = Callable[[], FlushResult]  # one request, bound to its pair and token
 Runner = Callable[[Sequence[Call]], list[Future[FlushResult]]]  # runs calls elsewhere than the executor
 # Seconds a pair left unsent may take to report, kept off the deadline: this many times what setting
-# one pair up took this call (a loaded host is slower at both), within REPORT_COST (100,000 pairs:
-# 0.5 to 2.5 s, so half a 5 s deadline is left for sending at worst).
-REPORT_FACTOR: Final = 4
-REPORT_COST: Final = (5e-6, 2.5e-5)
+# one pair up took this call (a loaded host is slower at both; reporting a pair costs about four
+# times setting it up, and the workers still hold the GIL meanwhile), within REPORT_COST (100,000
+# pairs: 1 to 4 s of a 5 s deadline; 1,000 pairs: 10 to 40 ms).
+REPORT_FACTOR: Final = 8
+REPORT_COST: Final = (1e-5, 4e-5)
 QUEUED_PER_WORKER: Final = 2  # pairs handed to the executor ahead of each worker
 MAX_ROUNDS: Final = 64  # passes per pair at most with until_idle (the deadline usually ends them first)
 

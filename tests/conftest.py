@@ -113,6 +113,35 @@ def stays(condition: Callable[[], bool], window: float = NOTHING_MORE_WINDOW) ->
     return condition()
 
 
+# The kernel function a main thread waits in, for each blocking call the tests' children make.
+BLOCKED_IN = {"sleep": ("hrtimer_nanosleep",), "read": ("anon_pipe_read", "pipe_read")}
+
+
+def blocked_in(pid: int, call: str = "sleep", timeout: float = 5.0) -> bool:
+    """Wait until the main thread of ``pid`` is blocked in ``call`` (``time.sleep``, or a read from a
+    pipe), as seen in ``/proc/PID/wchan``; False if it is not within ``timeout`` (or /proc hides it).
+
+    A test that signals a child "while it sleeps" waits for this first. CPython runs a Python
+    handler at its next check, and a C call that blocks after the C-level handler ran is not
+    interrupted: a signal landing between the child's READY and its ``sleep`` waits for the
+    sleep to end (on 3.14 and 3.15 under load, about half the runs of such a test).
+    """
+    wchan = Path(f"/proc/{pid}/wchan")
+
+    def blocked() -> bool:
+        try:
+            return wchan.read_text() in BLOCKED_IN[call]
+        except OSError:
+            return False
+
+    end = time.monotonic() + timeout
+    while not blocked():
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.002)
+    return True
+
+
 def gone(pid: int) -> bool:
     """True when ``pid`` has exited (no such process, or a zombie not yet reaped by init)."""
     try:

@@ -13,7 +13,7 @@ import pytest
 from swe_flush_sync import ConfigError, Flusher, abort, flush
 from swe_flush_sync.testing import AgentServerStub
 
-from .conftest import PYTHON, SECRET, spawn, subprocess_env
+from .conftest import PYTHON, SECRET, blocked_in, spawn, subprocess_env
 
 
 def env_for(stub: AgentServerStub) -> dict[str, str]:
@@ -93,7 +93,7 @@ def test_every_server_gets_its_share_under_a_deadline(stub_factory) -> None:  # 
     report = flush([s.url for s in stubs], ids, admin_secret=SECRET, max_workers=16, deadline=1.0)
     shares = [len(s.requests) for s in stubs]
     assert min(shares) >= max(shares) / 2, shares
-    assert report.elapsed <= 1.1
+    assert report.elapsed <= 1.0 + 0.5
     assert [r.server_url for r in report.results[:300]] == [stubs[0].url] * 300  # report stays server-major
 
 
@@ -237,6 +237,7 @@ def test_sigterm_while_a_logging_lock_is_held(stub: AgentServerStub, scenario: s
     """)
     wait_line(proc, "READY")
     time.sleep(0.3)
+    blocked_in(proc.pid)  # (a scenario may keep it from its sleep: then it is signalled where it is)
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=15)

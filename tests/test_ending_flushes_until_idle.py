@@ -13,7 +13,7 @@ import pytest
 
 from swe_flush_sync.testing import AgentServerStub
 
-from .conftest import PYTHON, SECRET, read_until, spawn, subprocess_env
+from .conftest import PYTHON, SECRET, blocked_in, read_until, spawn, subprocess_env
 
 TRAINER = """
 import argparse, sys, time
@@ -44,6 +44,7 @@ def test_the_signal_hook_leaves_nothing_queued(stub_factory: Callable[..., Agent
     stub = _busy_server(stub_factory)
     option = ", until_idle=False" if one_pass else ""
     trainer = _trainer(stub, f"flush_on_signal(args, deadline=10{option})", "time.sleep(60)")
+    assert blocked_in(trainer.pid)
     trainer.send_signal(signal.SIGTERM)
     assert trainer.wait(20) == -signal.SIGTERM
     left = stub.trials("ending") + stub.waiting("ending")

@@ -276,7 +276,7 @@ def test_a_stopped_trainer_is_never_flushed_across_a_restart(stub: AgentServerSt
     finally:
         os.kill(trainer.proc.pid, signal.SIGCONT)
     first_keeper = _record_keepers(ledger)
-    assert wait_until(lambda: _record_keepers(ledger) != first_keeper, 5.0)  # held again, by the new guard
+    assert wait_until(lambda: _record_keepers(ledger) != first_keeper, 15.0)  # held again, by the new guard
     trainer.proc.kill()
     trainer.death()
     assert wait_until(lambda: sorted(stub.flushed_ids()) == ["stopped-a", "stopped-b"], 5.0)
@@ -440,7 +440,7 @@ def test_garbage_peers_delay_no_death_and_cost_bounded_threads_and_lines(start_g
                     died = time.monotonic()
                 assert wait_until(lambda n=number: f"real-{n}" in stub.flushed_ids(), 5.0)
                 first = next(r.at for r in stub.requests if r.instance_id == f"real-{number}") - died
-                if first >= 0.5:
+                if first >= 1.0:
                     late.append(round(first, 3))
                 peak = max(peak, _threads(guard.proc.pid))
                 number += 1

@@ -17,7 +17,7 @@ import pytest
 from swe_flush_sync import ConfigError, abort_async, flush_at_exit, flush_on_signal
 from swe_flush_sync.testing import AgentServerStub
 
-from .conftest import PYTHON, SECRET, read_until, spawn, subprocess_env
+from .conftest import PYTHON, SECRET, blocked_in, read_until, spawn, subprocess_env
 
 IDS = ["inst-a", "inst-b", "inst-c"]
 PRELUDE = """
@@ -61,6 +61,7 @@ class Child:
     def signal_at(self, marker: str = "READY") -> tuple[int, float, float, str, str]:
         """Wait for ``marker``, send SIGTERM, wait for the exit: (code, sent, ended, out, err)."""
         self.wait_for(marker)
+        blocked_in(self.proc.pid)  # in its sleep (also where it sleeps in an import)
         sent = self.kill()
         code, ended, out, err = self.finish()
         return code, sent, ended, out, err

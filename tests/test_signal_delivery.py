@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from swe_flush_sync.testing import AgentServerStub
 
-from .conftest import Guard
+from .conftest import Guard, blocked_in
 from .test_watchdog import Trainer, wait_until
 
 MASKS = """
@@ -79,6 +79,8 @@ def test_sigterm_interrupts_a_blocked_main_thread_at_once(stub: AgentServerStub)
     for _ in range(ROUNDS * 3):
         _, round_number, case = trainer.read("READY")
         instance_id = f"r{round_number}-{case}"
+        if case != "lock":  # (a lock wait looks like any other futex wait)
+            assert blocked_in(trainer.proc.pid, "read" if case == "stdin" else "sleep")
         sent = time.monotonic()
         trainer.proc.send_signal(signal.SIGTERM)
         if not wait_until(lambda wanted=instance_id: wanted in stub.flushed_ids(), 10.0):

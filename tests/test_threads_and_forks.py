@@ -24,7 +24,7 @@ from swe_flush_sync import _watchdog as watchdog_module
 from swe_flush_sync._watchdog_process import HELD, PROTOCOL
 from swe_flush_sync.testing import AgentServerStub
 
-from .conftest import SECRET, Guard
+from .conftest import SECRET, Guard, blocked_in
 from .test_watchdog import Trainer, wait_until
 
 FINAL_IDS = ["final-a", "final-b", "final-c"]
@@ -141,6 +141,7 @@ def test_a_forked_child_never_flushes_its_parents_ids(stub: AgentServerStub, how
     assert code == (0 if how == "sys.exit" else -signal.SIGTERM)  # the worker died of its signal, as before
     # The child's hooks would have flushed before it ended: the stub has answered all it got.
     assert stub.requests == []
+    assert blocked_in(trainer.proc.pid)
     trainer.proc.send_signal(signal.SIGTERM)  # the parent's own SIGTERM still flushes its ids
     if not wait_until(lambda: trainer.proc.poll() is not None, 20.0):
         trainer.proc.send_signal(signal.SIGUSR1)

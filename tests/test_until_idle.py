@@ -16,7 +16,7 @@ from swe_flush_sync import _flusher as flusher_module
 from swe_flush_sync._cli import main
 from swe_flush_sync.testing import AgentServerStub
 
-from .conftest import PYTHON, SECRET, spawn, subprocess_env
+from .conftest import PYTHON, SECRET, blocked_in, spawn, subprocess_env
 
 
 @pytest.fixture
@@ -152,6 +152,7 @@ def test_the_signal_hook_flushes_until_idle(slots: AgentServerStub) -> None:
     """)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         env=subprocess_env(AGENT_SERVER_URL=slots.url, HARBOR_ADMIN_SECRET=SECRET))
     assert proc.stdout is not None and proc.stdout.readline().strip() == "READY"
+    assert blocked_in(proc.pid)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=15)
     assert proc.returncode == -signal.SIGTERM, err

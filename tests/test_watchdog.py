@@ -21,7 +21,7 @@ import pytest
 from swe_flush_sync import ConfigError, Watchdog, watchdog
 from swe_flush_sync.testing import AgentServerStub
 
-from .conftest import PYTHON, SECRET, _watchdog_pids, gone, read_until, spawn, subprocess_env
+from .conftest import PYTHON, SECRET, _watchdog_pids, blocked_in, gone, read_until, spawn, subprocess_env
 
 IDS = ("wd-a", "wd-b", "wd-c")
 PRELUDE = """
@@ -109,9 +109,10 @@ def test_every_death_flushes_each_id_once(stub: AgentServerStub, death: str) -> 
     if death == "sigkill":
         trainer.proc.kill()
     elif death == "sigint to the group":
+        assert blocked_in(trainer.proc.pid)
         os.killpg(trainer.proc.pid, signal.SIGINT)  # Ctrl-C: the trainer's whole process group
     died = trainer.death()
-    assert wait_until(lambda: len(stub.requests) >= len(IDS), 1.0), f"{death}: not flushed within 1 s"
+    assert wait_until(lambda: len(stub.requests) >= len(IDS), 3.0), f"{death}: not flushed within 3 s"
     assert Counter(stub.flushed_ids()) == dict.fromkeys(IDS, 1)
     assert all(request.at - died <= 1.0 for request in stub.requests)
     assert [stub.trials(instance_id) for instance_id in IDS] == [0, 0, 0]
@@ -243,6 +244,7 @@ def test_a_hook_that_flushed_everything_disarms_the_watchdog(stub: AgentServerSt
     """)
     pid = trainer.armed()
     if hook == "sigterm":
+        assert blocked_in(trainer.proc.pid)
         trainer.proc.send_signal(signal.SIGTERM)
     trainer.death()
     assert trainer.proc.returncode == (0 if hook == "exit" else -signal.SIGTERM)

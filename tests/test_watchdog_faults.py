@@ -22,7 +22,7 @@ from swe_flush_sync import Watchdog, abort, recover, watchdog
 from swe_flush_sync import _watchdog as watchdog_module
 from swe_flush_sync.testing import AgentServerStub
 
-from .conftest import PYTHON, SECRET, spawn, subprocess_env
+from .conftest import PYTHON, SECRET, blocked_in, spawn, subprocess_env
 from .test_ledger import ENV, records
 from .test_watchdog import IDS, PRELUDE, Trainer, _watchdog_pids, gone, wait_until
 
@@ -122,6 +122,7 @@ def test_3_a_sigterm_the_trainer_survives_keeps_the_watchdog_armed(stub: AgentSe
     """)
     pid = trainer.armed()
     trainer.read("READY")
+    assert blocked_in(trainer.proc.pid, "read")
     trainer.proc.send_signal(signal.SIGTERM)
     assert wait_until(lambda: len(stub.requests) == len(IDS), 5.0)
     trainer.go_on()

@@ -23,7 +23,7 @@ import requests
 from swe_flush_sync import ScopedBearer, abort, flush
 from swe_flush_sync._cli import main
 
-from ..conftest import PYTHON, spawn, subprocess_env
+from ..conftest import PYTHON, blocked_in, spawn, subprocess_env
 from .conftest import Harbor
 from .harbor_app import scoped_bearer
 
@@ -169,7 +169,7 @@ def test_hooks_in_a_real_process(harbor_factory: HarborFactory, hook: str) -> No
                  env=subprocess_env(AGENT_SERVER_URL=harbor.url, HARBOR_RUN_SECRET=MASTER))
     assert proc.stdout is not None and proc.stdout.readline().strip() == "READY"
     if hook == "signal":
-        time.sleep(0.2)
+        assert blocked_in(proc.pid)
         proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=15)
     assert proc.returncode == (-signal.SIGTERM if hook == "signal" else 0), err
