@@ -114,7 +114,7 @@ def test_every_death_flushes_each_id_once(stub: AgentServerStub, death: str) -> 
     died = trainer.death()
     assert wait_until(lambda: len(stub.requests) >= len(IDS), 3.0), f"{death}: not flushed within 3 s"
     assert Counter(stub.flushed_ids()) == dict.fromkeys(IDS, 1)
-    assert all(request.at - died <= 1.0 for request in stub.requests)
+    assert all(request.at - died <= 3.0 for request in stub.requests), [r.at - died for r in stub.requests]
     assert [stub.trials(instance_id) for instance_id in IDS] == [0, 0, 0]
     err = trainer.stderr_after_watchdog(deadline + 1 - (time.monotonic() - died))
     assert f"swe-flush watchdog for pid {trainer.proc.pid}: trainer gone; flushed 3/3 targets" in err
