@@ -46,11 +46,12 @@ $(VENV)/.installed-matrix: $(VENV)/.installed
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,contract,matrix]'
 	touch $@
 
-# The suite on Python 3.10, 3.11, 3.12, 3.13 and on the declared dependency floors (setup.cfg
-# [tox:tox]); a missing interpreter fails the run.
-# TOXFLAGS: more tox options (CI: its own --workdir, and --installpkg the built wheel).
+# The suite on every Python a trainer runs, side by side as CI runs it (.ci/matrix): 3.10-3.13 and
+# the declared dependency floors (setup.cfg [tox:tox]) through tox, 3.14 and 3.15 in the sid root
+# (make sid: root only); a missing interpreter fails the run. ENVS=py312 (py310 ... py313,
+# floors) runs one tox environment alone; TOXFLAGS adds tox options (CI: a --workdir and the wheel).
 matrix: $(VENV)/.installed-matrix
-	PATH="$(PYENV_BINS)$$PATH" $(BIN)/tox run --skip-missing-interpreters false $(if $(ENVS),-e $(ENVS)) $(TOXFLAGS)
+	$(if $(ENVS),PATH="$(PYENV_BINS)$$PATH" $(BIN)/tox run --skip-missing-interpreters false -e $(ENVS) $(TOXFLAGS),bash .ci/matrix)
 
 # The suite on Python 3.14 and 3.15 from Debian sid's packages, side by side in a debootstrap root
 # (.ci/sid; root only: it mounts and chroots). The root is kept in /var/cache/swe-flush-sid.

@@ -56,7 +56,10 @@ for thread in threads:
 follower = any(t.name == "swe-flush-guard-follower" and t.is_alive() for t in threading.enumerate())
 args.session_server_instance_ids = {{8000: "final-a", 8001: "final-b"}}
 args.session_server_instance_id = "final-c"
-keeper.refresh()
+keeper.refresh()  # waits half a second for the word; a loaded host's guard may take longer
+until = time.monotonic() + 10
+while not keeper.armed and time.monotonic() < until:
+    time.sleep(0.005)
 print("DONE", counts["aborts"], counts["sent_nothing"], follower, keeper.armed, json.dumps(sorted(errors)), flush=True)
 {after}
 """
