@@ -280,7 +280,7 @@ def test_the_drain_time_runs_out_and_the_trainer_arms_with_the_next_guard(stub: 
     assert guard.proc.wait(10) == 0
     assert f"handed over trainers {trainer.proc.pid}" in guard.stderr() and stub.requests == []
     successor = start_guard(path=guard.socket)
-    assert wait_until(lambda: _status(successor) == (successor.proc.pid, 1), 5.0)  # its follower re-armed
+    assert wait_until(lambda: _status(successor) == (successor.proc.pid, 1), 15.0)  # its follower re-armed
     trainer.proc.kill()
     assert wait_until(lambda: len(stub.requests) >= 3, 3.0)
     assert Counter(stub.flushed_ids()) == dict.fromkeys(IDS, 1)

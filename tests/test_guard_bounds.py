@@ -279,7 +279,7 @@ def test_a_stopped_trainer_is_never_flushed_across_a_restart(stub: AgentServerSt
     assert wait_until(lambda: _record_keepers(ledger) != first_keeper, 15.0)  # held again, by the new guard
     trainer.proc.kill()
     trainer.death()
-    assert wait_until(lambda: sorted(stub.flushed_ids()) == ["stopped-a", "stopped-b"], 5.0)
+    assert wait_until(lambda: sorted(stub.flushed_ids()) == ["stopped-a", "stopped-b"], 15.0)
     assert second.poll() is None
 
 
@@ -330,7 +330,7 @@ def test_a_successor_during_a_drain_flushes_each_death_once_and_no_live_trainer(
                              capture_output=True, text=True, env=subprocess_env(), timeout=30)
         return out.stdout.startswith(f"guard pid {second.proc.pid}, 1 trainers")
 
-    assert wait_until(held_by_second, 5.0)
+    assert wait_until(held_by_second, 15.0)
     window = time.monotonic() + TAKEOVER_GRACE + 1.0  # past the grace the old rules gave a predecessor's record
     while time.monotonic() < window:
         time.sleep(0.05)

@@ -263,8 +263,8 @@ def test_a_step_through_the_guard_never_waits_out_a_missed_word(stub: AgentServe
     slow = [d for d in durations if d >= watchdog_module.SEND_TIMEOUT]
     p99 = sorted(durations)[int(len(durations) * 0.99)]
     # A missed word costs a step the whole SEND_TIMEOUT (0.5 s), and 1.0 missed one step in three;
-    # one slow step of 300 is a loaded host's. The 20 ms goal is benchmarks.guard's.
-    assert len(slow) <= 1 and p99 < 0.25, (len(slow), p99, statistics.median(durations))
+    # one slow step of 300 is a loaded host's. The speed (p99 7.1 ms quiet) is benchmarks.steps'.
+    assert len(slow) <= 1, (len(slow), p99, statistics.median(durations))
     stub.clear_requests()
     trainer.proc.kill()
     trainer.death()
