@@ -121,6 +121,16 @@ def test_every_death_flushes_each_id_once(stub: AgentServerStub, death: str) -> 
     assert len(stub.requests) == len(IDS)  # and nothing more: the watchdog is gone (the stub records before it answers)
 
 
+def stays_idle(pid: int, window: float, timeout: float) -> bool:
+    """Wait until the process used no CPU for ``window`` seconds; False if not within ``timeout``."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        ticks = _cpu_ticks(pid)
+        if not wait_until(lambda before=ticks: _cpu_ticks(pid) != before, window):
+            return True
+    return False
+
+
 def test_watchdog_survives_signals_and_waits_without_cpu(stub: AgentServerStub) -> None:
     trainer = Trainer(stub, """
         started = time.monotonic()
@@ -140,7 +150,8 @@ def test_watchdog_survives_signals_and_waits_without_cpu(stub: AgentServerStub) 
     assert session != pid  # and not a session leader: it can never acquire a controlling terminal
     assert not [child for child in _children_of(trainer.proc.pid)]  # no zombie left in the trainer
 
-    time.sleep(0.5)  # it loads part of the standard library once watchdog() has returned
+    # it loads part of the standard library once watchdog() has returned: wait until it is done
+    assert stays_idle(pid, 1.0, 20.0)
     cpu_before = _cpu_ticks(pid)
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         os.kill(pid, signum)
@@ -155,7 +166,7 @@ def test_watchdog_survives_signals_and_waits_without_cpu(stub: AgentServerStub) 
     assert "_watchdog_process.py" in command and f"--trainer-pid {trainer.proc.pid}" in command
     trainer.proc.kill()
     trainer.death()
-    assert wait_until(lambda: len(stub.requests) == len(IDS), 2.0)
+    assert wait_until(lambda: len(stub.requests) == len(IDS), 5.0)
 
 
 def _children_of(pid: int) -> list[int]:
@@ -285,7 +296,7 @@ def test_a_forked_child_does_not_hide_the_death(stub: AgentServerStub) -> None:
         trainer.proc.kill()
         trainer.death()
         assert not gone(child_pid)
-        assert wait_until(lambda: len(stub.requests) >= len(IDS), 1.0)
+        assert wait_until(lambda: len(stub.requests) >= len(IDS), 5.0)  # (hidden: not before the child's 60 s)
         assert Counter(stub.flushed_ids()) == dict.fromkeys(IDS, 1)
     finally:
         os.kill(child_pid, signal.SIGKILL)
