@@ -102,6 +102,16 @@ def end_watchdogs() -> Iterator[None]:
 NOTHING_MORE_WINDOW = 1.0  # seconds a negative check watches for what must not happen
 
 
+def wait_until(condition: Callable[[], bool], timeout: float) -> bool:
+    """Wait until ``condition()`` holds; False if it does not within ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.005)
+    return True
+
+
 def stays(condition: Callable[[], bool], window: float = NOTHING_MORE_WINDOW) -> bool:
     """True when ``condition()`` holds all through ``window`` seconds (polled every few ms): a check
     that something does not happen watches for it over a stated window, not after a fixed sleep."""
@@ -136,12 +146,7 @@ def blocked_in(pid: int, call: str = "sleep", timeout: float = 5.0) -> bool:
         except OSError:
             return False
 
-    end = time.monotonic() + timeout
-    while not blocked():
-        if time.monotonic() >= end:
-            return False
-        time.sleep(0.002)
-    return True
+    return wait_until(blocked, timeout)
 
 
 def gone(pid: int) -> bool:

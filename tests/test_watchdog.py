@@ -21,7 +21,7 @@ import pytest
 from swe_flush_sync import ConfigError, Watchdog, watchdog
 from swe_flush_sync.testing import AgentServerStub
 
-from .conftest import PYTHON, SECRET, _watchdog_pids, blocked_in, gone, read_until, spawn, subprocess_env
+from .conftest import PYTHON, SECRET, _watchdog_pids, blocked_in, gone, read_until, spawn, subprocess_env, wait_until
 
 IDS = ("wd-a", "wd-b", "wd-c")
 PRELUDE = """
@@ -33,15 +33,6 @@ args = argparse.Namespace(session_server_instance_ids={8000: "wd-a", 8001: "wd-b
 def armed(guard):
     print("ARMED", guard.pid, flush=True)
 """
-
-def wait_until(condition: Callable[[], bool], timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.005)
-    return True
-
 
 class Trainer:
     """A child trainer running ``PRELUDE + body`` in its own session, against ``stub``."""
