@@ -18,6 +18,7 @@ import concurrent.futures.thread  # imported now: its exit hook must be register
 import dataclasses
 import functools
 import os
+import queue
 import threading
 import time
 import weakref
@@ -208,11 +209,11 @@ class Flusher:
                      pair_cost)
         if not call.tracks:
             return FlushReport(elapsed=time.monotonic() - started)
-        if not self._send_pass(list(call.tracks.values()), call):
-            raise FlushError("this Flusher is closed")
         # Each server's round wakes this call once it is all answered: a server's next round never
         # waits for another server, and no answer costs a scan of every pair.
         try:
+            if not self._send_pass(list(call.tracks.values()), call):
+                raise FlushError("this Flusher is closed")
             while True:
                 for url, answered in list(call.answered.items()):
                     if answered.done():
@@ -267,14 +268,20 @@ class Flusher:
             if call.runner is None:  # the hooks gave every lingering request up already
                 self._make_room(len(fresh))
             transport = self._transport_now()
-        room = threading.Semaphore(QUEUED_PER_WORKER * self._options.workers)
+        room: queue.SimpleQueue[None] = queue.SimpleQueue()  # C-level: a Ctrl-C in a wait leaves no lock held
+        for _ in range(QUEUED_PER_WORKER * self._options.workers):
+            room.put(None)
         # The time needed to report the pairs that would be left unsent is kept off the deadline.
         per_pair = min(max(REPORT_FACTOR * call.pair_cost, REPORT_COST[0]), REPORT_COST[1])
         stop_at = call.deadline_at - per_pair * len(fresh)
         sent, why = 0, "deadline passed"
         for track in fresh:
             left = stop_at - time.monotonic()
-            if (sent and left <= 0) or not room.acquire(timeout=max(left, 0)):
+            if sent and left <= 0:
+                break
+            try:
+                room.get(timeout=max(left, 0.0))
+            except queue.Empty:
                 break
             with self._lock:
                 if self._closed:
@@ -282,12 +289,12 @@ class Flusher:
                     break
                 sent += 1
                 if self._joined(track):  # another call sent the pair meanwhile
-                    room.release()
+                    room.put(None)
                     continue
                 try:
                     authorization = self._authorization(track.pair[1])
                 except ConfigError as exc:
-                    room.release()
+                    room.put(None)
                     track.final = _merged([*track.passes, FlushResult(*track.pair, ok=False, error=str(exc))],
                                           idle=None)
                     continue
@@ -295,7 +302,7 @@ class Flusher:
                 future = self._submit(functools.partial(transport.post, *track.pair, authorization, token), call.runner)
                 track.pending = self._inflight[track.pair] = _Pending(future, token)
                 track.joined = False
-            future.add_done_callback(lambda _: room.release())
+            future.add_done_callback(lambda _: room.put(None))
         if sent < len(fresh):  # stopped: what still waits for a worker is never sent
             for track in fresh[:sent]:  # (first, so that the workers go quiet before the bookkeeping below)
                 if track.pending is not None and not track.joined and track.pending.future.cancel():

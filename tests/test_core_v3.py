@@ -83,6 +83,26 @@ def test_ctrl_c_in_a_joiner_leaves_the_owners_request_alone(stub: AgentServerStu
     assert owner_box[0].ok and len(stub.requests) == 1
 
 
+def test_ctrl_c_while_a_pass_is_fed_gives_up_what_it_sent(stub: AgentServerStub) -> None:
+    """A Ctrl-C between two pairs of a pass (raised here by the third pair's bearer) gives up the
+    pairs already sent: a later call sends them afresh instead of joining what was given up."""
+    stub.teardown = 1.0
+    asked: list[str] = []
+
+    def bearer(instance_id: str) -> str:
+        asked.append(instance_id)
+        if len(asked) == 3:
+            raise KeyboardInterrupt
+        return SECRET
+
+    with Flusher(stub.url, bearer=bearer, max_workers=4, linger=30) as flusher:
+        with pytest.raises(KeyboardInterrupt):
+            flusher.flush(["a", "b", "c", "d"], deadline=5)
+        report = flusher.flush(["a", "b"], deadline=5)
+    assert asked[:3] == ["a", "b", "c"]
+    assert report.ok and not any(r.joined for r in report.results), report.summary()
+
+
 # -- a hung server never starves another one ---------------------------------------------------------
 
 class HungServer:
