@@ -1,7 +1,7 @@
 """HTTP transport: the ``requests.Session`` and one ``POST /flush`` per (server, id) pair.
 
 ``Transport.post`` runs in worker threads and never logs; every transport error and failing
-status becomes a short message in ``describe_failure`` (no credentials, secret or header).
+status becomes a short message (``_failures.describe_failure``: no credentials, secret or header).
 Each POST carries a ``CancelToken``: the sender's time budget and the request's sockets, so
 the sender can give it up at once. urllib3 is extended only through public hooks: a
 ``Timeout`` whose ``clone`` clamps timeouts to the time left, a ``Retry`` subclass that fits
@@ -11,7 +11,6 @@ backoff into the deadline, and the pool's ``ConnectionCls``, which registers soc
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import socket
 import ssl
@@ -25,20 +24,12 @@ import requests
 import requests.adapters
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
-from urllib3.exceptions import (
-    ConnectTimeoutError,
-    MaxRetryError,
-    NameResolutionError,
-    NewConnectionError,
-    ProtocolError,
-    ReadTimeoutError,
-    ResponseError,
-)
 from urllib3.exceptions import HTTPError as Urllib3HTTPError
-from urllib3.exceptions import SSLError as Urllib3SSLError
+from urllib3.exceptions import MaxRetryError, ResponseError
 from urllib3.util.retry import Retry
 from urllib3.util.timeout import Timeout
 
+from ._failures import RETRY_STATUSES, TRANSPORT_ERRORS, describe_failure
 from ._report import FlushResult
 from ._tls import ssl_context, tls_failure
 from ._version import __version__
@@ -51,16 +42,9 @@ if TYPE_CHECKING:
     from ._options import FlushOptions
 
 USER_AGENT: Final = f"swe-flush-sync/{__version__}"
-RETRY_STATUSES: Final = frozenset({429, 500, 502, 503, 504})
 MAX_BODY_BYTES: Final = 64 * 1024
 _MIN_TIMEOUT: Final = 0.001
 _MIN_ATTEMPT: Final = 0.01  # seconds an attempt needs at least; less left: no more retries
-_STATUS_HINTS: Final = {401: "unauthorized: wrong or missing bearer secret", 403: "forbidden",
-                         404: "no /flush endpoint at this URL", 405: "method not allowed",
-                         422: "the server rejected the request body"}
-# What sending or reading a request can raise; anything else is a bug and propagates.
-TRANSPORT_ERRORS: Final = (requests.RequestException, Urllib3HTTPError, http.client.HTTPException, OSError)
-
 
 
 class CancelToken:
@@ -345,62 +329,3 @@ def _read_cancelled(response: requests.Response) -> int | None:
         return None
     cancelled = data.get("cancelled") if isinstance(data, dict) else None
     return cancelled if isinstance(cancelled, int) and not isinstance(cancelled, bool) else None
-
-
-def describe_failure(token: CancelToken | None = None, *, response: requests.Response | None = None,
-                     exc: BaseException | None = None) -> str:
-    """Why a pair failed, in a few words: the one place where statuses and exceptions become
-    messages; never with a URL's credentials, a header or a secret."""
-    stop_reason = token.stop_reason if token is not None else None
-    if response is not None:
-        status = response.status_code
-        hint = _STATUS_HINTS.get(status)
-        if 300 <= status < 400:
-            hint = "redirect not followed (the bearer never leaves the configured server)"
-        elif status in RETRY_STATUSES:
-            hint = stop_reason or "retries exhausted"
-        return f"HTTP {status}: {hint}" if hint else f"HTTP {status}"
-    message = _describe_exception(exc)
-    if token is not None and token.cancelled.is_set():
-        return f"{token.reason} while in flight"
-    if stop_reason:
-        return f"{message}; {stop_reason}"
-    if token is not None and token.time_left() <= 0:
-        return f"deadline passed ({message})"
-    return message
-
-
-_EXCEPTION_MESSAGES: Final = (  # the first class that matches, after NewConnectionError
-    (NameResolutionError, "host name did not resolve"),
-    ((ConnectTimeoutError, requests.ConnectTimeout), "connect timed out"),
-    ((ReadTimeoutError, requests.ReadTimeout, socket.timeout), "read timed out"),
-    ((Urllib3SSLError, requests.exceptions.SSLError), "TLS error"),
-    ((ProtocolError, http.client.HTTPException, requests.exceptions.ChunkedEncodingError, ConnectionError),
-     "connection dropped by the server"),
-    (ResponseError, "too many error responses"),
-)
-
-
-def _describe_exception(exc: BaseException | None) -> str:
-    reason: BaseException | None = exc
-    for _ in range(6):  # unwrap requests -> MaxRetryError -> the urllib3 reason
-        if isinstance(reason, MaxRetryError) and reason.reason is not None:
-            reason = reason.reason
-        elif isinstance(reason, requests.RequestException) and reason.args \
-                and isinstance(reason.args[0], BaseException):
-            reason = reason.args[0]
-        else:
-            break
-    if isinstance(reason, NewConnectionError) and not isinstance(reason, NameResolutionError):
-        cause = reason.__cause__ or reason.__context__
-        return f"could not connect: {cause.strerror.lower()}" if isinstance(cause, OSError) and cause.strerror \
-            else "could not connect"
-    why = tls_failure(reason)
-    if why is not None:
-        return f"TLS error: {why}"
-    for kinds, message in _EXCEPTION_MESSAGES:
-        if isinstance(reason, kinds):
-            return message
-    if isinstance(reason, (Urllib3HTTPError, requests.RequestException, OSError)):
-        return f"request failed ({type(reason).__name__})"
-    return f"unexpected {type(reason).__name__}"

@@ -13,7 +13,8 @@ from responses.registries import OrderedRegistry
 from urllib3.exceptions import MaxRetryError, NameResolutionError, NewConnectionError, ProtocolError, ReadTimeoutError
 
 from swe_flush_sync import ConfigError, Flusher, FlushOptions, ScopedBearer, StaticBearer, __version__, flush
-from swe_flush_sync._transport import build_retry, describe_failure
+from swe_flush_sync._failures import describe_failure
+from swe_flush_sync._transport import build_retry
 
 from .conftest import SECRET
 
