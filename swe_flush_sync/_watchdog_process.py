@@ -109,22 +109,33 @@ def pid_namespace() -> int | None:
         return None
 
 
+def process_stat(pid: int) -> list[bytes] | None:
+    """The fields of ``/proc/PID/stat`` from the third on (the state first), or None without such a
+    process or /proc. The command name (field 2) may hold spaces and parentheses: fields are counted
+    after its last ')'."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            return handle.read().rpartition(b")")[2].split() or None
+    except OSError:
+        return None
+
+
 def process_start_time(pid: int) -> int | None:
     """When the live process ``pid`` started (clock ticks since boot); None if it does not exist, is
     a zombie nobody has reaped yet or is dying (states Z and X: as dead as it will get), or no /proc."""
+    fields = process_stat(pid)
     try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            stat = handle.read()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces and parentheses: count fields after its last ')'.
-    fields = stat.rpartition(b")")[2].split()
-    try:
-        if fields[0] in (b"Z", b"X", b"x"):  # field 3, the state
+        if fields is None or fields[0] in (b"Z", b"X", b"x"):
             return None
         return int(fields[19])  # field 22 of the whole line
     except (IndexError, ValueError):
         return None
+
+
+def process_stopped(pid: int) -> bool:
+    """Is the process ``pid`` stopped (SIGSTOP, a debugger: states T and t)? False when unknown."""
+    fields = process_stat(pid)
+    return fields is not None and fields[0] in (b"T", b"t")
 
 
 def record_file_name(host: str, pid: int, started: int | None, watchdog_pid: int) -> str:

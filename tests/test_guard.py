@@ -179,6 +179,58 @@ def test_a_restarted_guard_takes_the_trainer_back(stub: AgentServerStub, start_g
     assert stays(lambda: sorted(stub.flushed_ids()) == ["wd-a", "wd-b", "wd-later"])
 
 
+def test_aborts_from_two_threads_while_the_guard_restarts_never_garble_a_line(
+        stub: AgentServerStub, start_guard: Callable[..., Guard]) -> None:
+    """Two threads abort with changing ids while the follower thread reconnects to a guard that is
+    restarted three times: every line each guard got was whole (none dropped the connection)."""
+    guards = [start_guard()]
+    trainer = Trainer(stub, stdin=True, body=f"""
+        import threading
+        guard = watchdog(args, guard={guards[0].socket!r}, until_idle=False)
+        print("ARMED", guard.pid, flush=True)
+        stop = threading.Event()
+
+        def hammer(attribute, make):
+            step = 0
+            while not stop.is_set():
+                step += 1
+                setattr(args, attribute, make(step))
+                abort(args, deadline=0.5, until_idle=False)
+
+        threads = [threading.Thread(target=hammer, args=("session_server_instance_ids",
+                                                         lambda step: {{n: f"m{{step}}-{{n}}" for n in range(4)}})),
+                   threading.Thread(target=hammer, args=("session_server_instance_id", lambda step: f"s{{step}}"))]
+        for thread in threads:
+            thread.start()
+        for line in iter(sys.stdin.readline, "end\\n"):  # the pid of the guard restarted meanwhile
+            started = time.monotonic()
+            while guard.pid != int(line) and time.monotonic() - started < 20:
+                time.sleep(0.01)
+            print("BACK", guard.pid, flush=True)
+        stop.set()
+        for thread in threads:
+            thread.join()
+        print("DONE", guard.armed, flush=True)
+        time.sleep(60)
+    """)
+    trainer.read("ARMED")
+    for _ in range(3):
+        old = guards[-1]
+        old.proc.kill()
+        old.proc.wait()
+        guards.append(start_guard(path=old.socket))
+        trainer.go_on(str(guards[-1].proc.pid))
+        assert trainer.read("BACK")[1] == str(guards[-1].proc.pid)
+    trainer.go_on("end")
+    assert trainer.read("DONE")[1] == "True"
+    trainer.proc.kill()
+    trainer.death()
+    guards[-1].proc.kill()
+    guards[-1].proc.wait()
+    said = [guard.stderr() for guard in guards]
+    assert not any("dropped the connection" in text for text in said), said
+
+
 def test_a_live_guard_keeps_its_socket(stub: AgentServerStub, start_guard: Callable[..., Guard],
                                        short_dir: Path) -> None:
     guard = start_guard()

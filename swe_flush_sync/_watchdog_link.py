@@ -1,0 +1,309 @@
+"""The trainer's line link to its watchdog: the ends it writes and reads, what is still to be
+written, and what the watchdog (or guard) said it holds.
+
+The trainer writes one line per state (``{"seq": N, "v": PROTOCOL, "state": {...}}``) or a
+disarm; the far end answers ``held SEQ PID PROTOCOL`` once it holds a state whole, ``refused WHY``
+when it will not, and ``ledger ok|WHY``. A newer state replaces one not written yet; a line cut by
+that is ended with ``CANCEL`` first, and the far end drops it.
+
+Threads: every read and write of a link's buffers and ends happens under ``LOCK`` (one for all
+links; the signal hooks take it too), which is never held while user code runs or while a thread
+waits. One thread at a time reads a link's answers (its reader: the guard's follower thread, or a
+thread waiting for a word); the others wait on ``HEARD``, which the reader notifies whenever it
+hears something, loses the link or stops reading. ``LOCK``, ``HEARD`` and ``FORK_LOCK`` are new
+objects in a forked child: use them as attributes of this module, never imported by name.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import select
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Final
+
+from ._watchdog_process import CANCEL, HELD, PROTOCOL, REFUSED
+
+_DISARM: Final = b'{"disarm": true}\n'
+_END_CUT_LINE: Final = CANCEL + b"\n"
+
+# Re-entrant: a signal hook may run while the main thread holds it.
+LOCK = threading.RLock()
+HEARD = threading.Condition(LOCK)  # notified when a link's reader heard a word, lost the link or stopped reading
+# Held while ends exist that no link has taken yet; os.fork() waits for it (at-fork hook), so a
+# child forked by another thread meanwhile never keeps a write end open.
+FORK_LOCK = threading.RLock()
+_open_ends: set[Fd] = set()  # ends of ours that are open: a forked child closes them
+_links: weakref.WeakSet[Link] = weakref.WeakSet()  # a forked child forgets them all
+
+
+class Fd:
+    """A descriptor this process opened, with the identity it had: code that closes or reuses
+    descriptor numbers (``os.closerange``, a daemonizer) must never get our writes or closes."""
+
+    __slots__ = ("fd", "identity")
+
+    def __init__(self, fd: int) -> None:
+        if fd <= 2:  # stdio closed when we started: Popen would put /dev/null there in the child
+            moved = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
+            os.close(fd)
+            fd = moved
+        info = os.fstat(fd)
+        self.fd = fd
+        self.identity = (info.st_dev, info.st_ino)
+        _open_ends.add(self)
+
+    @classmethod
+    def pipe(cls) -> tuple[Fd, Fd]:
+        """A pipe (read end, write end), not inheritable, neither end on fd 0-2."""
+        read_end, write_end = os.pipe()
+        return cls(read_end), cls(write_end)
+
+    def ours(self) -> bool:
+        """Does the number still name what we opened?"""
+        try:
+            info = os.fstat(self.fd)
+        except OSError:
+            return False
+        return (info.st_dev, info.st_ino) == self.identity
+
+    def close(self) -> None:
+        """Close it if it is still ours; forget it either way."""
+        if self in _open_ends:
+            _open_ends.discard(self)
+            if self.ours():
+                with contextlib.suppress(OSError):
+                    os.close(self.fd)
+
+
+class _Lost(Exception):
+    """The far end has ended, or our end is no longer ours."""
+
+
+class Link:
+    """One watchdog's link (see the module): call every method but ``wait`` and ``confirm`` with
+    ``LOCK`` held.
+
+    Args:
+        hear: takes each line the far end says but ``held`` and ``refused`` (its word and the rest),
+            with ``LOCK`` held.
+    """
+
+    def __init__(self, hear: Callable[[bytes, bytes], None]) -> None:
+        self._hear = hear
+        self._control: Fd | None = None  # where we write (a pipe's write end, or the guard's socket)
+        self._ready: Fd | None = None  # where we read its words; end-of-file at its end
+        self._inbox = b""  # a line of the far end's not read whole yet
+        self._reader: int | None = None  # the thread that reads the far end's words now (see wait)
+        self._outbox = bytearray()  # what is still to be written: at most one message (after a cut line's end)
+        self._cut = False  # what was written so far ends in the middle of a line
+        self.retired = False  # set by a disarm: the link is never opened again
+        self.payload = b""  # the state last queued
+        self.pairs: frozenset[tuple[str, str]] = frozenset()  # ... and its (server, id) pairs
+        self.seq = 0  # its number
+        self.held = 0  # the number of the newest state the far end said it holds whole
+        self.written = 0  # bytes written in all
+        self.pid = 0  # the far end's pid, as its last "held" said
+        self.protocol = PROTOCOL  # the far end's protocol, as its last "held" said
+        self.refused: str | None = None  # why the far end refused the state last queued
+        self.refused_payload = b""  # ... and that state
+        self.refused_at = 0.0  # ... and when
+        _links.add(self)
+
+    @property
+    def open(self) -> bool:
+        """Are the ends open (not lost, closed or never opened)?"""
+        return self._ready is not None
+
+    @property
+    def caught_up(self) -> bool:
+        """Is everything written, and the newest state held?"""
+        return self.held == self.seq and not self._outbox
+
+    @property
+    def unwritten(self) -> bool:
+        """Does something still wait to be written?"""
+        return bool(self._outbox)
+
+    def take_ends(self, control: Fd, ready: Fd) -> None:
+        """Use these fresh ends (non-blocking): nothing is owed to them yet."""
+        self._control, self._ready, self.held, self._inbox, self._cut = control, ready, self.seq, b"", False
+        HEARD.notify_all()
+
+    def queue(self, payload: bytes, pairs: frozenset[tuple[str, str]]) -> None:
+        """Make ``payload`` the next state to write, in place of any not written yet."""
+        self.seq += 1
+        self.payload, self.pairs = payload, pairs
+        self._replace_outbox(b'{"seq": %d, "v": %d, "state": %s}\n' % (self.seq, PROTOCOL, payload))
+
+    def queue_disarm(self) -> None:
+        """Make a disarm the next message, in place of any state not written yet."""
+        self._replace_outbox(_DISARM)
+
+    def _replace_outbox(self, message: bytes) -> None:
+        self._outbox[:] = (_END_CUT_LINE if self._cut else b"") + message  # a cut line is ended: the far end drops it
+
+    def talk(self) -> bool:
+        """Read what the far end said (unless another thread is the reader) and write what the end
+        takes, without blocking; False when the link is not open (a loss closes it)."""
+        if self._control is None or self._ready is None:
+            return False
+        try:
+            if self._reader in (None, threading.get_ident()):
+                self._read_words(self._ready)
+            self._write_outbox(self._control)
+        except _Lost:
+            self.close()
+            HEARD.notify_all()
+            return False
+        return True
+
+    def _read_words(self, ready: Fd) -> None:
+        if not ready.ours():
+            raise _Lost
+        ended = False
+        while True:
+            try:
+                chunk = os.read(ready.fd, 4096)
+            except BlockingIOError:
+                break
+            except OSError:
+                ended = True
+                break
+            if not chunk:
+                ended = True
+                break
+            self._inbox += chunk
+        *lines, self._inbox = self._inbox.split(b"\n")
+        for line in lines:  # before a loss is raised: a guard says why it refused, then closes
+            self._take_word(line)
+        if lines:
+            HEARD.notify_all()
+        if ended:
+            raise _Lost
+
+    def _take_word(self, line: bytes) -> None:
+        word, _, rest = line.partition(b" ")
+        if word == HELD:
+            seq, pid, *protocol = rest.split(b" ")
+            if seq.isdigit() and pid.isdigit():
+                self.held, self.pid = max(self.held, int(seq)), int(pid)
+                self.protocol = int(protocol[0]) if protocol and protocol[0].isdigit() else 1
+                self.refused = None
+        elif word == REFUSED:
+            self.refused, self.refused_payload = rest.decode("utf-8", "replace"), self.payload
+            self.refused_at = time.monotonic()
+        else:
+            self._hear(word, rest)
+
+    def _write_outbox(self, control: Fd) -> None:
+        while self._outbox:
+            if not control.ours():
+                raise _Lost
+            try:
+                written = os.write(control.fd, self._outbox)
+            except BlockingIOError:
+                return
+            except OSError:  # EPIPE: the far end is gone
+                raise _Lost from None
+            self._cut = self._outbox[written - 1:written] != b"\n"
+            del self._outbox[:written]
+            self.written += written
+
+    def confirm(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` until everything is written and the newest state held; True if so."""
+        return self.wait(lambda: self.caught_up, timeout)
+
+    def wait(self, satisfied: Callable[[], bool], timeout: float) -> bool:
+        """Talk until ``satisfied()`` (checked under the lock), the link is lost, or ``timeout``
+        passes; True when satisfied. Call it without ``LOCK``: it never holds it while it waits.
+
+        One thread at a time is the reader: it polls the ready end and reads what comes. Every other
+        thread waits on ``HEARD`` (the reader notifies it), or polls the control end alone while the
+        outbox waits for room; none races the reader for the same bytes, so no word is missed.
+        """
+        me = threading.get_ident()
+        give_up_at = time.monotonic() + timeout
+        reading = False
+        try:
+            while True:
+                with LOCK:
+                    if self._reader is None:
+                        self._reader, reading = me, True
+                    if not self.talk():
+                        return False
+                    if satisfied():
+                        return True
+                    left = give_up_at - time.monotonic()
+                    if left <= 0:
+                        return False
+                    if self._reader != me and not self._outbox:
+                        HEARD.wait(left)  # the reader hears for us
+                        continue
+                    assert self._control is not None and self._ready is not None  # talk() says so
+                    ready = self._ready.fd if self._reader == me else None
+                    control = self._control.fd if self._outbox else None
+                if not _wait_for(ready, control, left):  # closed meanwhile by a disarm in another thread
+                    return False
+        finally:
+            if reading:
+                with LOCK:
+                    if self._reader == me:
+                        self._reader = None
+                    HEARD.notify_all()  # a waiter may take over the reading
+
+    def close(self) -> None:
+        """Close both ends (once the far end reads the end-of-file, a watchdog flushes unless disarmed)."""
+        for end in (self._control, self._ready):
+            if end is not None:
+                end.close()
+        self._control = self._ready = None
+        self._outbox.clear()
+        self._cut = False
+
+    def forget_in_child(self) -> None:
+        """In a forked child: the ends are the parent's (the at-fork hook closed the copies), and so
+        is its reader."""
+        self._control = self._ready = None
+        self._reader = None
+        self.retired = True
+
+
+def _wait_for(read_fd: int | None, write_fd: int | None, timeout: float) -> bool:
+    """Wait up to ``timeout`` until ``read_fd`` is readable or ``write_fd`` writable (``poll``: any fd
+    number); False when a descriptor was closed meanwhile."""
+    poller = select.poll()
+    if read_fd is not None:
+        poller.register(read_fd, select.POLLIN)
+    if write_fd is not None:
+        poller.register(write_fd, select.POLLOUT)
+    try:
+        events = poller.poll(max(timeout, 0.0) * 1000)
+    except (OSError, ValueError):
+        return False
+    return not any(flags & select.POLLNVAL for _, flags in events)
+
+
+def _before_fork() -> None:
+    FORK_LOCK.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    FORK_LOCK.release()
+
+
+def _after_fork_in_child() -> None:
+    global LOCK, HEARD, FORK_LOCK
+    LOCK = threading.RLock()
+    HEARD = threading.Condition(LOCK)
+    FORK_LOCK = threading.RLock()
+    for end in list(_open_ends):  # the links' ends, and any made for a watchdog still arming
+        end.close()
+    for link in list(_links):
+        link.forget_in_child()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
