@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import errno
-import fcntl
 import functools
 import logging
 import os
@@ -35,29 +33,23 @@ import resource
 import secrets
 import signal
 import socket
-import stat
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
 from typing import Any, Final, NamedTuple
 
-from ._errors import ConfigError
-from ._flusher import Call
-from ._guard_client import PEERCRED, ImpostorError, connect_to_guard
+from ._guard_client import PEERCRED, connect_to_guard
+from ._guard_flushes import TAKEOVER_GRACE, DeathFlushes, LedgerRecovery
 from ._guard_metrics import GuardMetrics
 from ._guard_parser import ParserProcess
-from ._guard_pool import DEFAULT_FLUSH_WORKERS, WorkPool
-from ._ledger import Place, Record, recover_with
-from ._liveness import UNSUPPORTED, guard_lock_path, hold, is_held, release, trainer_lock_path
+from ._guard_pool import DEFAULT_FLUSH_WORKERS
+from ._guard_socket import PATH_CHECK, PAUSE, GuardError, SocketPath
+from ._liveness import guard_lock_path, hold, release, trainer_lock_path
 from ._options import FlushOptions, RecoverOptionKwargs
-from ._report import FlushReport, FlushResult
-from ._resolve import URL_ENV_VARS, normalize_instance_ids, normalize_server_urls, resolve_server_urls
+from ._resolve import normalize_instance_ids, normalize_server_urls
 from ._text import shown
-from ._threads import block_signals
-from ._trust import directory_problem, ownership_problem
-from ._watchdog import MAX_SOCKET_PATH
+from ._trust import directory_problem
 from ._watchdog_process import (
     DEFAULT_HEARTBEAT,
     MAX_IDS,
@@ -66,37 +58,24 @@ from ._watchdog_process import (
     Channel,
     WatchLoop,
     io_error,
-    process_start_time,
     write_all,
 )
+
+__all__ = ["DEFAULT_DRAIN", "DEFAULT_MAX_HELD", "TAKEOVER_GRACE", "Guard", "GuardError", "guard_status", "run_guard"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_DRAIN: Final = 30.0  # seconds: a pod's default termination grace period
-RECOVER_INTERVAL: Final = 2.0  # seconds between two recovers of the ledger's gone owners
-TAKEOVER_GRACE: Final = 5.0  # seconds a restarted guard waits for a predecessor's lockless trainers to reconnect
 SWITCH_INTERVAL: Final = 0.0005  # seconds a thread holds the GIL before another may take it (Python's: 0.005)
 DEFAULT_MAX_HELD: Final = 256 << 20  # bytes all held states may take (--max-held), counted as HELD_COST x their lines
 HELD_COST: Final = 2  # what a held state costs in memory, in bytes of its line: its parsed ids and bearers
-LOCK_RECHECK_MAX: Final = 1.0  # seconds between two looks at the lock of a trainer whose connection ended
 STATUS_TIMEOUT: Final = 2.0  # seconds ``--status`` waits for an answer
 FD_RESERVE: Final = 256  # descriptors never given to peers: flushes, the ledger, stderr
-PAUSE: Final = 0.1  # seconds accepting pauses at EMFILE or when every peer holds a trainer
-RETRY_FIRST: Final = 1.0  # seconds before the first retry of a failed flush; doubled up to RETRY_MAX
-RETRY_MAX: Final = 60.0
-RETRY_REFUSED: Final = 600.0  # seconds between two retries the servers refused with 401/403 (a wrong secret)
-RETRY_GIVE_UP: Final = 24 * 3600.0  # seconds after a death when the guard stops retrying (recover can still)
-HTTP_WORKERS: Final = 36  # requests in flight at once over all the guard's flushes (its shared HTTP threads)
 SAY_EVERY: Final = 60.0  # seconds between two lines of the same kind (retries, drops, refusals)
-PATH_CHECK: Final = 2.0  # seconds between two checks that the socket path is still the guard's
 MAX_QUEUED_LINES: Final = 1000  # stderr lines waiting for a stalled stderr; later ones are dropped
 # The options a trainer hands over: FlushOptions' fields but the bearer (sent as per-id tokens).
 _OPTION_KEYS: Final = frozenset(RecoverOptionKwargs.__optional_keys__) - {"admin_secret", "bearer"}
 _TOKEN: Final = re.compile(r"[0-9a-f]{32}")
-
-
-class GuardError(Exception):
-    """The guard cannot start (its socket path is taken or unusable, a bad ledger); the message says why."""
 
 
 class _Lines:
@@ -136,13 +115,72 @@ class _Peer:
         self.said_options = False
 
 
-class _Retrying(NamedTuple):
-    """A dead trainer's flush that failed: what is left, since when, and the next delay."""
+class _HeldBudget:
+    """What all held states may take (``--max-held``), each counted as ``HELD_COST`` x its line, the
+    dead ones' until their flush ends. The loop's thread and the flush workers change it."""
 
-    pairs: dict[str, tuple[str, ...]] | None  # server -> ids; None: all of them
-    died: float
-    attempt: int
-    delay: float
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._used = 0
+        self._lock = threading.Lock()
+        self._peers: dict[Channel, _Peer] = {}
+
+    def admit(self, channel: Channel, peer: _Peer) -> None:
+        self._peers[channel] = peer
+
+    def over(self, channel: Channel, size: int) -> str | None:
+        """Why a line of ``size`` bytes from ``channel`` cannot be held now, or None."""
+        peer = self._peers.get(channel)
+        return None if peer is None else self._over(HELD_COST * size, peer)
+
+    def _over(self, cost: int, peer: _Peer) -> str | None:
+        if cost > peer.held and self._used + cost - peer.held > self.limit:
+            return (f"the guard's budget for held states ({self.limit >> 20} MiB, --max-held) is spent: this "
+                    f"state needs {max(cost >> 20, 1)} MiB; a smaller state is held, or another guard")
+        return None
+
+    def take(self, peer: _Peer, size: int) -> None:
+        """Count a state of ``size`` bytes as ``peer``'s, in place of its last one.
+
+        Raises:
+            ValueError: it is over the budget (the last one stays counted).
+        """
+        cost = HELD_COST * size
+        with self._lock:
+            over = self._over(cost, peer)
+            if over is not None:
+                raise ValueError(over)
+            self._used += cost - peer.held
+            peer.held = cost
+
+    def release(self, channel: Channel) -> None:
+        """The channel's state is no longer held (its flush ended, or it needs none)."""
+        peer = self._peers.pop(channel, None)
+        if peer is not None:
+            with self._lock:
+                self._used -= peer.held
+
+
+class _RecordWriter:
+    """Record writes and removals, on the ledger's own thread (a slow volume never stops the loop); a
+    write that waits writes the latest state when it runs. Failures are said once per kind."""
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self._worker = _SerialWorker("swe-flush-guard-ledger")
+        self._say = say
+        self._said: str | None = None
+
+    def submit(self, channel: Channel, job: Callable[[], None]) -> None:
+        self._worker.submit(functools.partial(self._run, job), key=(channel, job))
+
+    def _run(self, job: Callable[[], None]) -> None:
+        error = io_error(job)
+        if error != self._said:  # once per kind of failure, and once when it works again
+            self._said = error
+            self._say(f"cannot write ledger records: {error}" if error else "ledger records are written again")
+
+    def drain(self, timeout: float) -> None:
+        self._worker.drain(timeout)
 
 
 class GuardStatus(NamedTuple):
@@ -254,7 +292,8 @@ class Guard:
 
     def __init__(self, path: str, ledger: str | None = None, drain: float = DEFAULT_DRAIN,
                  heartbeat: float = DEFAULT_HEARTBEAT, metrics: bool = False,
-                 flush_workers: int = DEFAULT_FLUSH_WORKERS, max_held: int = DEFAULT_MAX_HELD) -> None:
+                 flush_workers: int = DEFAULT_FLUSH_WORKERS, max_held: int = DEFAULT_MAX_HELD,
+                 takeover_grace: float = TAKEOVER_GRACE) -> None:
         self.path = path
         self.ledger = ledger
         self.drain = drain
@@ -264,55 +303,38 @@ class Guard:
         self._parser = _SerialWorker("swe-flush-guard-parse")  # long lines: sent to the parser process
         self._parser_process = ParserProcess()
         self._parsed: queue.SimpleQueue[tuple[Channel, dict[str, Any] | BadLine, int]] = queue.SimpleQueue()
-        self._writer = _SerialWorker("swe-flush-guard-ledger") if ledger is not None else None
-        self._ledger_said: str | None = None
-        self._listener: socket.socket | None = None
-        self._identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket file we bound
-        self._lock_fd: int | None = None
+        self._records = _RecordWriter(self.say) if ledger is not None else None
         self._life_lock: tuple[int, str] | None = None  # this guard's own lock while it lives (records name it)
         self._connected: collections.Counter[str] = collections.Counter()  # tokens of the trainers held now
         self._handed_over: set[Channel] = set()  # closed by this guard at the end of its drain: not dead
-        self.max_held = max_held
-        self._held_bytes = 0  # of the budget, over all held states (the dead ones' until their flush ends)
-        self._peers: dict[Channel, _Peer] = {}
+        self.budget = _HeldBudget(max_held)
         self._lines = _Lines(self.say)
-        self._flushes = WorkPool("swe-flush-guard-flush", flush_workers, self.say)
-        self._http = ThreadPoolExecutor(HTTP_WORKERS, thread_name_prefix="swe-flush-guard-http",
-                                        initializer=block_signals)
-        self._flushing: set[Channel] = set()  # dead trainers whose flush runs, waits or waits to be retried
-        self._books = threading.Lock()  # _flushing and the budget: the loop and the flush workers change them
-        self._started = time.monotonic()
         self._stopping_since: float | None = None
         self._stop = threading.Event()
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_write, False)  # a full pipe wakes the loop already: a write never waits
-        self._paused_until: float | None = None
-        self._path_checked_at = time.monotonic()
         self.max_peers = 0
-        self._retrying: set[Channel] = set()  # flushes that failed and wait to be retried
-        self.metrics = GuardMetrics(self.trainers, lambda: len(self._retrying)) if metrics else None
+        self.socket = SocketPath(path, self.loop, self._accept, self.say, self._lines.say,
+                                 lambda path: guard_status(path) is not None)
+        self.metrics = GuardMetrics(self.trainers, lambda: len(self.deaths.retrying)) if metrics else None
+        self.deaths = DeathFlushes(flush_workers, connected=self._connected, trainer_lock=self._trainer_lock,
+                                   release=self.budget.release, say=self.say, say_once=self._lines.say,
+                                   metrics=self.metrics)
+        self._recovery = None if ledger is None else LedgerRecovery(
+            ledger, grace=takeover_grace, connected=self._connected, stop=self._stop, send=self.deaths.send,
+            say=self.say, say_once=self._lines.say, metrics=self.metrics)
 
-    # -- starting ------------------------------------------------------------------------
     def bind(self) -> None:
-        sys.setswitchinterval(SWITCH_INTERVAL)  # a parse or a flush never keeps the loop off the GIL for long
         """Take the path (one guard per path, decided by a lock), replace a stale socket, listen (0600)."""
-        if len(os.fsencode(self.path)) > MAX_SOCKET_PATH:
-            raise GuardError(f"{shown(self.path)}: a Unix socket path is at most {MAX_SOCKET_PATH} bytes")
-        folder = os.path.dirname(os.path.abspath(self.path))
-        try:
-            os.makedirs(folder, mode=0o700, exist_ok=True)
-        except OSError as exc:
-            raise GuardError(f"cannot create {shown(folder)}: {exc.strerror or exc}") from None
-        self._check_folder(folder)
+        sys.setswitchinterval(SWITCH_INTERVAL)  # a parse or a flush never keeps the loop off the GIL for long
+        self.socket.check()
         if self.ledger is not None:
             with contextlib.suppress(OSError):
                 os.makedirs(self.ledger, mode=0o700, exist_ok=True)
             problem = directory_problem(self.ledger)
             if problem is not None:
                 raise GuardError(f"--ledger: the directory {shown(self.ledger)} {problem}")
-        self._take_lock()
-        self._take_path()
-        self._listen()
+        self.socket.take()
         try:
             self._parser_process.start()
         except OSError as exc:  # tried again with the first long line
@@ -323,121 +345,9 @@ class Guard:
         self.max_peers = max(raise_nofile_limit() - FD_RESERVE, 16)
         self.loop.watch(self._wake_read, self._woken)
 
-    def _listen(self) -> None:
-        """Bind the path (the socket file made 0600) and listen on it."""
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        umask = os.umask(0o177)  # the socket file is made 0600: connecting needs write permission on it
-        try:
-            listener.bind(self.path)
-            info = os.lstat(self.path)
-        except OSError as exc:
-            listener.close()
-            raise GuardError(f"cannot listen on {shown(self.path)}: {exc.strerror or exc}") from None
-        finally:
-            os.umask(umask)
-        self._identity = (info.st_dev, info.st_ino)
-        os.chmod(self.path, 0o600)
-        listener.listen(128)
-        listener.setblocking(False)
-        self._listener = listener
-        self.loop.watch(listener.fileno(), self._accept)
-
-    def _keep_path(self) -> None:
-        """Every ``PATH_CHECK`` seconds: the path must still be our socket; removed (a tmp cleaner, another
-        container on a shared folder) or replaced, it is taken back and listened on again."""
-        now = time.monotonic()
-        if now < self._path_checked_at + PATH_CHECK or self._listener is None or self._paused_until is not None:
-            return
-        self._path_checked_at = now
-        try:
-            info = os.lstat(self.path)
-            if (info.st_dev, info.st_ino) == self._identity:
-                return
-        except OSError:
-            pass
-        self.loop.unwatch(self._listener.fileno())
-        self._listener.close()
-        self._listener = None
-        try:
-            self._take_path()
-            self._listen()
-        except (GuardError, OSError) as exc:
-            self._lines.say("path", f"the socket at {shown(self.path)} was removed or replaced and cannot be taken "
-                                    f"back yet: {exc}; trying again every {PATH_CHECK:g} s")
-            return
-        self.say(f"the socket at {shown(self.path)} was removed or replaced; listening there again")
-
-    def _check_folder(self, folder: str) -> None:
-        """Refuse a folder another (non-root) user owns; warn when others may write it without the sticky bit."""
-        info = os.stat(folder)
-        if info.st_uid not in (os.geteuid(), 0):
-            raise GuardError(f"the socket's folder {shown(folder)} is owned by uid {info.st_uid}: that user could "
-                             "replace the socket; use a folder owned by this user or root")
-        if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
-            self.say(f"warning: others may write {shown(folder)} (mode {stat.S_IMODE(info.st_mode):04o}, no "
-                     "sticky bit): they could replace the socket; trainers check who listens before they "
-                     "send anything")
-
-    def _take_lock(self) -> None:
-        """``flock`` on ``PATH.lock`` for the guard's life: the second guard on a path exits, however busy the first."""
-        lock_path = self.path + ".lock"
-        try:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            raise GuardError(f"cannot open the lock {shown(lock_path)}: {exc.strerror or exc}") from None
-        problem = ownership_problem(os.fstat(fd))
-        if problem is not None:
-            os.close(fd)
-            raise GuardError(f"the lock {shown(lock_path)} {problem}")
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise GuardError(f"a guard is already serving {shown(self.path)}") from None
-        except OSError as exc:
-            if exc.errno not in UNSUPPORTED:
-                os.close(fd)
-                raise GuardError(f"cannot lock {shown(lock_path)}: {exc.strerror or exc}") from None
-            self.say(f"warning: {shown(lock_path)} cannot be locked here ({exc.strerror or exc}: no flock on this "
-                     "file system): one guard per path is not enforced, and trainers are judged by a grace and "
-                     "their heartbeat; put the socket on a local file system")
-        self._lock_fd = fd
-
-    def _take_path(self) -> None:
-        try:
-            info = os.lstat(self.path)
-        except FileNotFoundError:
-            return
-        if not stat.S_ISSOCK(info.st_mode):
-            raise GuardError(f"{shown(self.path)} exists and is not a socket")
-        served_by = ""
-        try:
-            if guard_status(self.path) is not None:  # a guard of this uid, of a version that took no lock
-                raise GuardError(f"a guard is already serving {shown(self.path)}")
-        except ImpostorError as exc:  # the lock is ours, so the path is: another uid's socket is replaced
-            served_by = f", served by uid {exc.uid}"
-        try:
-            os.unlink(self.path)  # a stale socket left by a guard that died, or another uid's
-        except OSError as exc:
-            raise GuardError(f"cannot remove the socket {shown(self.path)} (owned by uid {info.st_uid}"
-                             f"{served_by}): {exc.strerror or exc}; remove it as that user, or run the guard as "
-                             "that user") from None
-        if served_by:
-            self.say(f"replaced the socket at {shown(self.path)}{served_by}: this guard holds the path's lock")
-
     # -- serving -------------------------------------------------------------------------
     def _accept(self) -> None:
-        for _ in range(64):  # a batch, then the others get their turn
-            if self._listener is None:
-                return
-            try:
-                conn, _ = self._listener.accept()
-            except BlockingIOError:
-                return
-            except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    self._pause()  # no spinning on a listener that stays readable
-                return
+        for conn in self.socket.accepted():
             self._admit(conn)
 
     def _admit(self, conn: socket.socket) -> None:
@@ -455,30 +365,23 @@ class Guard:
             return
         if len(self.loop.channels) >= self.max_peers and not self._drop_idle():
             conn.close()  # every peer holds a trainer: take no more until one ends
-            self._pause()
+            self.socket.pause()
             return
         fd = conn.detach()
         os.set_blocking(fd, False)
         peer = _Peer()
         channel = Channel(fd, fd, pid, strict=True, ledger=self.ledger, heartbeat=self.heartbeat,
                           check=functools.partial(self._checked, pid=pid, peer=peer), status=self._status,
-                          ledger_io=self._ledger_io, locks=self._record_locks, offload=self._offload)
-        self._peers[channel] = peer
+                          ledger_io=self._records.submit if self._records is not None else None,
+                          locks=self._record_locks, offload=self._offload)
+        self.budget.admit(channel, peer)
         self.loop.add(channel)
-
-    def _over_budget(self, cost: int, peer: _Peer) -> str | None:
-        """Why a state that costs ``cost`` cannot be held for ``peer`` now, or None."""
-        if cost > peer.held and self._held_bytes + cost - peer.held > self.max_held:
-            return (f"the guard's budget for held states ({self.max_held >> 20} MiB, --max-held) is spent: this "
-                    f"state needs {max(cost >> 20, 1)} MiB; a smaller state is held, or another guard")
-        return None
 
     def _offload(self, channel: Channel, line: bytearray) -> None:
         """Parse a long line on the parse thread (one past the budget is refused unparsed); the loop
         reads that peer no more until it is back."""
         self.loop.pause(channel)
-        peer = self._peers.get(channel)
-        over = self._over_budget(HELD_COST * len(line), peer) if peer is not None else None
+        over = self.budget.over(channel, len(line))
         if over is not None:
             self._parsed.put((channel, BadLine(over), len(line)))
             os.write(self._wake_write, b"p")
@@ -508,17 +411,6 @@ class Guard:
             line = f"({dropped} earlier lines dropped: stderr was not read) {line}"
         self._stderr.submit(functools.partial(write_all, 2, f"swe-flush guard: {line}\n".encode("utf-8", "replace")))
 
-    def _ledger_io(self, channel: Channel, job: Callable[[], None]) -> None:
-        """A record write or removal, on the ledger's thread; its failures said once per kind."""
-        assert self._writer is not None  # only channels of a guard with a ledger have records
-        self._writer.submit(functools.partial(self._record_io, job), key=(channel, job))
-
-    def _record_io(self, job: Callable[[], None]) -> None:
-        error = io_error(job)
-        if error != self._ledger_said:  # once per kind of failure, and once when it works again
-            self._ledger_said = error
-            self.say(f"cannot write ledger records: {error}" if error else "ledger records are written again")
-
     def _drop_idle(self) -> bool:
         """End the oldest connection that has handed no state over; False when every peer holds a trainer."""
         for channel in self.loop.channels:
@@ -531,30 +423,13 @@ class Guard:
                 return True
         return False
 
-    def _pause(self) -> None:
-        if self._listener is not None and self._paused_until is None:
-            self.loop.unwatch(self._listener.fileno())
-            self._paused_until = time.monotonic() + PAUSE
-
-    def _resume(self) -> None:
-        if self._paused_until is not None and time.monotonic() >= self._paused_until:
-            self._paused_until = None
-            if self._listener is not None:
-                self.loop.watch(self._listener.fileno(), self._accept)
-
     def _checked(self, state: dict[str, Any], first: bool, size: int, pid: int, peer: _Peer) -> dict[str, Any]:
         """A state as the guard holds it; a draining guard refuses new trainers only (held ones update),
         and past the budget a new or grown state is refused (the last one held stays held)."""
         if self._stopping_since is not None and first:
             raise ValueError("the guard is stopping (draining); arm against the next one")
         state, dropped = checked_state(state)
-        cost = HELD_COST * size
-        with self._books:
-            over = self._over_budget(cost, peer)
-            if over is not None:
-                raise ValueError(over)
-            self._held_bytes += cost - peer.held
-            peer.held = cost
+        self.budget.take(peer, size)
         if first and isinstance(state.get("trainer"), str):
             self._connected[state["trainer"]] += 1
         if dropped and not peer.said_options:  # once per connection
@@ -579,7 +454,7 @@ class Guard:
                 del self._connected[channel.token]
         if channel in self._handed_over:  # alive (its lock is held): its record stays for the successor
             self._handed_over.discard(channel)
-            self._release(channel)
+            self.budget.release(channel)
             return
         if channel.error is not None:
             self._lines.say("dropped connection",
@@ -587,105 +462,12 @@ class Guard:
             if self.metrics is not None:
                 self.metrics.dropped.labels("bad_message").inc()
             channel.settle(None)
-            self._release(channel)
+            self.budget.release(channel)
         elif channel.disarmed or channel.state is None:
             channel.settle(None)
-            self._release(channel)
+            self.budget.release(channel)
         else:
-            with self._books:
-                self._flushing.add(channel)
-            self._flushes.submit(functools.partial(self._flush_once_gone, channel, time.monotonic(), 0.01))
-
-    def _flush_once_gone(self, channel: Channel, ended: float, recheck: float) -> None:
-        """A connection ended without a disarm: flush its trainer once its lock is free (a held lock is
-        a live trainer: at a death the kernel may close the socket a moment before the lock). A trainer
-        that connected again meanwhile is guarded by its new connection; no lock, or one that cannot
-        be examined: the end of the connection is the death, as before."""
-        lock = self._trainer_lock(channel.state)
-        if lock is not None and channel.token in self._connected:
-            self._done(channel)
-            return
-        if lock is not None and is_held(lock):
-            self._flushes.submit(functools.partial(self._flush_once_gone, channel, ended,
-                                                   min(recheck * 2, LOCK_RECHECK_MAX)), recheck)
-            return
-        self._flush(channel, _Retrying(None, ended, 1, RETRY_FIRST))
-
-    def flushing(self) -> int:
-        """Dead trainers whose flush runs, waits for a worker or waits to be retried."""
-        return len(self._flushing)
-
-    def _flush(self, channel: Channel, retry: _Retrying) -> None:
-        """One attempt at a dead trainer's flush, on a flush worker. A failed one is put back on the
-        heap with backoff (``/flush`` is idempotent; 401/403 slowly) until every pair is flushed, the
-        record is no longer the guard's, or ``RETRY_GIVE_UP`` has passed since the death."""
-        who = f"trainer pid {channel.trainer_pid}"
-        if retry.attempt > 1 and channel.ledger is not None and not os.path.exists(channel.ledger.path):
-            self._done(channel)  # a recover claimed the record (and flushed it), or it was removed
-            self._lines.say("claimed", f"{who}: its record was taken by a recover or removed; retries end")
-            return
-        try:
-            report = channel.flush(retry.pairs, max_workers=HTTP_WORKERS, retries=0,  # the guard retries itself
-                                   runner=self._send)
-        except Exception as exc:  # noqa: BLE001 - one trainer's failure must not stop the guard
-            report, why, refused = None, f"the flush failed: {type(exc).__name__}", False
-            if self.metrics is not None:
-                self.metrics.flushed(None)
-        else:
-            if self.metrics is not None and report is not None:
-                self.metrics.flushed(report)
-            if report is None or report.ok:
-                if self.metrics is not None and report is not None:
-                    self.metrics.death_to_flush.observe(time.monotonic() - retry.died)
-                channel.settle(report)
-                self._done(channel)
-                if report is not None:
-                    again = f" (attempt {retry.attempt})" if retry.attempt > 1 else ""
-                    self.say(f"{who} gone; {report.summary()}{again}")
-                return
-            refused = all(result.status_code in (401, 403) for result in report.results if not result.ok)
-            why = report.summary()
-            retry = retry._replace(pairs=_failed_pairs(report))
-        if retry.attempt == 1:
-            channel.mark_gone()
-            self._retrying.add(channel)
-        delay = RETRY_REFUSED if refused else retry.delay
-        if time.monotonic() + delay - retry.died > RETRY_GIVE_UP:
-            self._done(channel)
-            self.say(f"{who} gone; {why}; gave up retrying after {RETRY_GIVE_UP / 3600:g} h: its record stays "
-                     "for recover")
-            return
-        self._lines.say("retrying", f"{who} gone; {why}; retrying in {delay:g} s (every {RETRY_FIRST:g}-"
-                                    f"{RETRY_MAX:g} s, {RETRY_REFUSED:g} s after 401/403) until it is flushed")
-        self._flushes.submit(functools.partial(self._flush, channel, retry._replace(
-            attempt=retry.attempt + 1, delay=min(retry.delay * 2, RETRY_MAX))), delay)
-
-    def _send(self, calls: Sequence[Call]) -> list[Future[FlushResult]]:
-        """Send a flush's requests on the shared HTTP workers; one that gets no thread (a pids limit)
-        is sent by the flush worker itself."""
-        futures: list[Future[FlushResult]] = []
-        for call in calls:
-            try:
-                futures.append(self._http.submit(call))
-            except RuntimeError:
-                future: Future[FlushResult] = Future()
-                future.set_running_or_notify_cancel()
-                future.set_result(call())
-                futures.append(future)
-        return futures
-
-    def _done(self, channel: Channel) -> None:
-        self._retrying.discard(channel)
-        with self._books:
-            self._flushing.discard(channel)
-        self._release(channel)
-
-    def _release(self, channel: Channel) -> None:
-        """The channel's state is no longer held (its flush ended, or it needs none): its budget is free."""
-        peer = self._peers.pop(channel, None)
-        if peer is not None:
-            with self._books:
-                self._held_bytes -= peer.held
+            self.deaths.gone(channel)
 
     def _woken(self) -> None:
         with contextlib.suppress(OSError):
@@ -698,7 +480,7 @@ class Guard:
             self.loop.take_parsed(channel, parsed, size)
         if self._stop.is_set() and self._stopping_since is None:
             self._stopping_since = time.monotonic()
-            self._give_up_path()  # a successor binds at once; the trainers held here stay held until the drain ends
+            self.socket.give_up()  # a successor binds at once; the trainers held here stay held until the drain ends
 
     def stop(self) -> None:
         """Stop taking trainers (from a signal handler too); the connected ones are watched for ``drain`` s."""
@@ -708,40 +490,26 @@ class Guard:
 
     def close(self) -> None:
         """Give up the path; release this guard's own lock; write what is queued."""
-        self._give_up_path()
+        self.socket.give_up()
         if self._life_lock is not None:
             release(*self._life_lock)
             self._life_lock = None
         self._parser_process.close()
         self._lines.say_held_back()
-        if self._writer is not None:
-            self._writer.drain(1.0)
+        if self._records is not None:
+            self._records.drain(1.0)
         self._stderr.drain(1.0)
-
-    def _give_up_path(self) -> None:
-        """Stop listening; remove the socket path only while it is still ours; release the path's lock."""
-        if self._listener is not None:
-            self.loop.unwatch(self._listener.fileno())
-            self._listener.close()
-            self._listener = None
-            with contextlib.suppress(OSError):
-                info = os.lstat(self.path)
-                if (info.st_dev, info.st_ino) == self._identity:
-                    os.unlink(self.path)
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
 
     def serve(self) -> int:
         """Serve until ``stop()``; then drain. 0 when it ended on its own terms."""
-        if self.ledger is not None:
-            threading.Thread(target=self._recover_every_interval, name="swe-flush-guard-recover", daemon=True).start()
+        if self._recovery is not None:
+            self._recovery.start()
         try:
             while True:
-                timeout = PATH_CHECK if self._paused_until is None else PAUSE
+                timeout = PATH_CHECK if self.socket.paused_until is None else PAUSE
                 if self._stopping_since is not None:
                     held = [channel for channel in self.loop.channels if channel.state is not None]
-                    if not held and not self._flushing:
+                    if not held and not self.deaths.count():
                         return 0
                     left = self._stopping_since + self.drain - time.monotonic()
                     if left <= 0:
@@ -749,8 +517,8 @@ class Guard:
                         return 0
                     timeout = min(left, 0.1)  # also notice flushes that end
                 self.loop.run_once(timeout)
-                self._resume()
-                self._keep_path()
+                self.socket.resume()
+                self.socket.keep()
         finally:
             self.close()
 
@@ -765,66 +533,7 @@ class Guard:
         lockless = len(held) - len(locked)
         self.say(f"drain time ({self.drain:g} s) is up; handed over trainers {pids} (they arm with the next guard)"
                  + (f"; {lockless} of them hold no lock: a successor judges them by a grace" if lockless else "")
-                 + ("; flushes still running" if self._flushing else ""))
-
-    # -- the ledger ----------------------------------------------------------------------
-    def _recover_every_interval(self) -> None:
-        """Recover the ledger's records whose owners are gone: at once (a dead trainer's free lock
-        says so), then every interval; lockless records of a predecessor only after the takeover grace."""
-        said_no_server = not resolve_server_urls(os.environ)
-        if said_no_server:  # said at once, not after the grace
-            self.say(f"cannot recover the ledger: no agent server named ({' and '.join(URL_ENV_VARS)} unset); "
-                     "guarding goes on")
-        options = FlushOptions(until_idle=True, linger=0.0)
-        while not self._stop.is_set():
-            claimed: list[int] = []
-            try:
-                report = recover_with(self.ledger or "", None, os.environ, options, judge=self._judge,
-                                      on_claimed=claimed.append, quiet=True, runner=self._send)
-                if claimed:
-                    self._say_recovered(claimed[0], report)
-                elif report.error:
-                    self._lines.say("recover", f"recovering the ledger: {report.error}")
-            except ConfigError as exc:
-                if not said_no_server:
-                    said_no_server = True
-                    self.say(f"cannot recover the ledger: {exc}; guarding goes on")
-            except Exception as exc:  # noqa: BLE001 - a recover that fails must not stop the guard
-                self.say(f"recovering the ledger failed: {type(exc).__name__}")
-            self._stop.wait(RECOVER_INTERVAL)
-
-    def _say_recovered(self, records: int, report: FlushReport) -> None:
-        """A recover pass that claimed records: a line like a trainer's death, and the flush metrics."""
-        if self.metrics is not None:
-            self.metrics.recovered.inc(records)
-            self.metrics.flushed(report)
-        self.say(f"recovered {records} record(s) of trainers gone; {report.summary()}")
-
-    def _judge(self, record: Record, gone: bool) -> bool:
-        """A trainer connected to this guard is never gone; a record the locks decide is as they say;
-        a lockless predecessor's record (its guard gone, here) whose trainer has not reconnected
-        within the grace is gone, whatever its heartbeat says."""
-        if record.trainer is not None and record.trainer in self._connected:
-            return False
-        if gone:
-            return True
-        if record.trainer_lock is not None and is_held(record.trainer_lock) is not None:
-            return False  # held: alive
-        if record.guard_lock is not None and is_held(record.guard_lock):
-            return False  # a live guard keeps it
-        predecessor = (record.trainer is not None and record.watchdog_pid != os.getpid()
-                       and record.place == Place.here()
-                       and process_start_time(record.watchdog_pid or 0) != record.watchdog_start_time)
-        return predecessor and time.monotonic() - self._started >= TAKEOVER_GRACE
-
-
-def _failed_pairs(report: FlushReport) -> dict[str, tuple[str, ...]]:
-    """Server -> the ids whose flush did not succeed."""
-    failed: dict[str, list[str]] = {}
-    for result in report.results:
-        if not result.ok:
-            failed.setdefault(result.server_url, []).append(result.instance_id)
-    return {url: tuple(ids) for url, ids in failed.items()}
+                 + ("; flushes still running" if self.deaths.count() else ""))
 
 
 def guard_status(path: str) -> GuardStatus | None:

@@ -44,7 +44,6 @@ log = logging.getLogger(__name__)
 
 LEDGER_ENV_VAR: Final = "SWE_FLUSH_LEDGER"
 DEFAULT_HEARTBEAT: Final = _watchdog_process.DEFAULT_HEARTBEAT  # seconds between two heartbeats of a record
-MAX_SOCKET_PATH: Final = 107  # bytes in sockaddr_un's sun_path, less its NUL
 _watchdogs: list[Watchdog] = []  # every watchdog not disarmed, lost ones included (abort re-arms them)
 
 
@@ -365,8 +364,8 @@ def _guard_path(guard: str | None, environ: Mapping[str, str]) -> str | None:
     source = "guard" if guard is not None else GUARD_ENV_VAR
     if not isinstance(path, str) or not path.strip() or "\0" in path:
         raise ConfigError(f"{source} must be a socket path (a non-empty str)")
-    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
-        raise ConfigError(f"{source}: a Unix socket path is at most {MAX_SOCKET_PATH} bytes")
+    if len(os.fsencode(path)) > _watchdog_process.MAX_SOCKET_PATH:
+        raise ConfigError(f"{source}: a Unix socket path is at most {_watchdog_process.MAX_SOCKET_PATH} bytes")
     return path
 
 

@@ -41,6 +41,7 @@ RECORD_VERSION: Final = 1
 # guard's version in "held", "refused", and strings that hold no raw backslash-quote (see encode_state).
 PROTOCOL: Final = 2
 MAX_IDS: Final = 100_000  # ids in one state
+MAX_SOCKET_PATH: Final = 107  # bytes in a guard's socket path (sockaddr_un's sun_path, less its NUL)
 OFFLOAD_BYTES: Final = 64 << 10  # a guard parses a longer line on a worker thread, not on its loop
 MAX_STATE_BYTES: Final = 32 << 20  # a control line, and so a ledger record, is at most this long
 MAX_STRINGS: Final = 3 * MAX_IDS + 4096  # ids, and each id's bearer with its key, and the rest

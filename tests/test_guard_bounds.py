@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 
 from swe_flush_sync import recover
-from swe_flush_sync._guard import TAKEOVER_GRACE, _Retrying
+from swe_flush_sync._guard import TAKEOVER_GRACE
 from swe_flush_sync._guard import Guard as GuardDaemon
+from swe_flush_sync._guard_flushes import _Retrying
 from swe_flush_sync._guard_pool import DEFAULT_FLUSH_WORKERS
 from swe_flush_sync.testing import AgentServerStub
 
@@ -134,9 +135,9 @@ def test_a_record_a_recover_took_ends_its_retries(short_dir: Path) -> None:
             self.flushed += 1
 
     channel = Dead()
-    daemon._flushing.add(channel)  # type: ignore[arg-type]
-    daemon._flush(channel, _Retrying(None, time.monotonic(), 2, 2.0))  # type: ignore[arg-type]
-    assert channel.flushed == 0 and daemon.flushing() == 0
+    daemon.deaths._flushing.add(channel)  # type: ignore[arg-type]
+    daemon.deaths._flush(channel, _Retrying(None, time.monotonic(), 2, 2.0))  # type: ignore[arg-type]
+    assert channel.flushed == 0 and daemon.deaths.count() == 0
 
 
 def test_a_bad_update_keeps_the_last_good_state(start_guard: Callable[..., Guard]) -> None:
@@ -195,13 +196,13 @@ def test_a_removed_socket_path_answers_again(start_guard: Callable[..., Guard]) 
 
 def test_flush_workers_are_started_once(short_dir: Path) -> None:
     daemon = GuardDaemon(str(short_dir / "g.sock"))
-    started = daemon._flushes.threads
+    started = daemon.deaths.pool.threads
     gate = threading.Event()
     for _ in range(100):
-        daemon._flushes.submit(gate.wait)
-    assert daemon._flushes.threads == started == DEFAULT_FLUSH_WORKERS
+        daemon.deaths.pool.submit(gate.wait)
+    assert daemon.deaths.pool.threads == started == DEFAULT_FLUSH_WORKERS
     gate.set()
-    assert wait_until(lambda: len(daemon._flushes) == 0, 5.0)
+    assert wait_until(lambda: len(daemon.deaths.pool) == 0, 5.0)
 
 
 def test_lines_are_said_at_most_once_a_minute_per_kind(start_guard: Callable[..., Guard]) -> None:
