@@ -28,7 +28,7 @@ from . import __version__
 from ._auth import StaticBearer
 from ._errors import ConfigError, FlushError
 from ._flusher import Flusher
-from ._guard import DEFAULT_DRAIN, DEFAULT_MAX_HELD, guard_status, run_guard
+from ._guard import DEFAULT_DRAIN, DEFAULT_MAX_HELD, TAKEOVER_GRACE, guard_status, run_guard
 from ._guard_client import ImpostorError
 from ._guard_metrics import parse_address
 from ._ledger import recover
@@ -61,7 +61,8 @@ USAGE = """swe-flush [--url URL]... [--id ID]... [--ids-json PATH|-] [--secret-f
        swe-flush recover DIR [--url URL]... [--secret-file PATH]
                              [--ca-bundle PATH] [--client-cert PATH [--client-key PATH]]
                              [--deadline S] [--workers N] [--retries N] [--json] [-q | -v]
-       swe-flush guard --socket PATH [--ledger DIR] [--drain S] [--heartbeat S] [--metrics [HOST:]PORT] [-v]
+       swe-flush guard --socket PATH [--ledger DIR] [--drain S] [--heartbeat S] [--takeover-grace S]
+                       [--metrics [HOST:]PORT] [-v]
        swe-flush guard --socket PATH --status
        swe-flush doctor [--url URL]... [--guard PATH] [--ledger DIR] [--ca-bundle PATH] [--client-cert PATH] [--json]
        swe-flush stub [--host H] [--port P] [--teardown S] [--max-concurrent N] [--secret-env VAR]"""
@@ -210,6 +211,9 @@ def _guard_parser() -> _Parser:
     parser.add_argument("--heartbeat", type=float, default=DEFAULT_HEARTBEAT, metavar="SECONDS",
                         help=f"seconds between two rewrites of a trainer's ledger record (default "
                              f"{DEFAULT_HEARTBEAT:g}); a record is stale after three")
+    parser.add_argument("--takeover-grace", type=float, default=TAKEOVER_GRACE, metavar="SECONDS",
+                        help=f"seconds a restarted guard waits before it recovers a predecessor's record of a "
+                             f"trainer that holds no lock (default {TAKEOVER_GRACE:g}); it may reconnect meanwhile")
     parser.add_argument("--status", action="store_true",
                         help="print the guard's pid and how many trainers it holds (and 'draining' while it "
                              "drains); exit 1 when none answers")
@@ -235,9 +239,12 @@ def _run_guard(ns: argparse.Namespace) -> int:
         raise ConfigError("--max-held must be a number of MiB from 1 to 1048576")
     if not 0.1 <= ns.heartbeat <= 3600:
         raise ConfigError("--heartbeat must be a number of seconds from 0.1 to 3600")
+    if not 0 <= ns.takeover_grace <= 3600:
+        raise ConfigError("--takeover-grace must be a number of seconds from 0 to 3600")
     metrics = parse_address(ns.metrics) if ns.metrics is not None else None
     with _logging_to_stderr(_verbosity(ns.verbose)):
-        return run_guard(ns.socket, ns.ledger, ns.drain, ns.heartbeat, metrics, max_held=ns.max_held << 20)
+        return run_guard(ns.socket, ns.ledger, ns.drain, ns.heartbeat, metrics, max_held=ns.max_held << 20,
+                         takeover_grace=ns.takeover_grace)
 
 
 def _add_tls(parser: _Parser) -> None:

@@ -563,13 +563,15 @@ def guard_status(path: str) -> GuardStatus | None:
 
 
 def run_guard(path: str, ledger: str | None, drain: float, heartbeat: float = DEFAULT_HEARTBEAT,
-              metrics: tuple[str, int] | None = None, max_held: int = DEFAULT_MAX_HELD) -> int:
+              metrics: tuple[str, int] | None = None, max_held: int = DEFAULT_MAX_HELD,
+              takeover_grace: float = TAKEOVER_GRACE) -> int:
     """``swe-flush guard``: bind, say ``guarding PATH``, serve until SIGTERM or SIGINT, drain; the exit code.
 
     Raises:
         ConfigError: ``metrics`` asked for without the ``metrics`` extra.
     """
-    guard = Guard(path, ledger, drain, heartbeat, metrics=metrics is not None, max_held=max_held)
+    guard = Guard(path, ledger, drain, heartbeat, metrics=metrics is not None, max_held=max_held,
+                  takeover_grace=takeover_grace)
     try:
         guard.bind()
         where = ""

@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 
 from swe_flush_sync import recover
-from swe_flush_sync._guard import TAKEOVER_GRACE
 from swe_flush_sync._guard import Guard as GuardDaemon
 from swe_flush_sync._guard_flushes import _Retrying
 from swe_flush_sync._guard_pool import DEFAULT_FLUSH_WORKERS
@@ -29,11 +28,12 @@ from swe_flush_sync.testing import AgentServerStub
 
 from .conftest import PYTHON, SECRET, Guard, read_until, spawn, subprocess_env
 from .test_guard_walls import OTHER_UID, a_state, answer, connect, impostor, needs_root, state_line
-from .test_ledger import records
+from .test_ledger import here, records, write_record
 from .test_ledger_trust import _unshare_works, namespace_init, needs_unshare
 from .test_watchdog import Trainer, wait_until
 
 MAX_THREADS = 64
+GRACE = 1.0  # --takeover-grace of the restart tests (5 s by default): the windows they watch are that much shorter
 PIDS_ROOT = Path("/sys/fs/cgroup/pids")
 
 
@@ -252,9 +252,10 @@ def test_a_stopped_trainer_is_never_flushed_across_a_restart(stub: AgentServerSt
 
     def start() -> tuple[subprocess.Popen[str], int]:
         if layout == "sidecar":
-            return _guard_in_its_own_namespace(path, ledger, "--heartbeat", "0.5")
+            return _guard_in_its_own_namespace(path, ledger, "--heartbeat", "0.5", "--takeover-grace", str(GRACE))
         proc = spawn([PYTHON, "-m", "swe_flush_sync", "guard", "--socket", path, "--ledger", str(ledger),
-                      "--heartbeat", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                      "--heartbeat", "0.5", "--takeover-grace", str(GRACE)],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                      env=subprocess_env(**env), start_new_session=True)
         assert read_until(proc, lambda line: line.startswith("guarding"), []) is not None
         return proc, proc.pid
@@ -269,8 +270,8 @@ def test_a_stopped_trainer_is_never_flushed_across_a_restart(stub: AgentServerSt
         first.wait(10)
         second, _ = start()
         restarted = time.monotonic()
-        # The old rules flushed it after the 5 s grace, or once 3 heartbeats of 0.5 s went stale.
-        window = restarted + TAKEOVER_GRACE + 3 * 0.5 + 2.0
+        # The old rules flushed it after the grace, or once 3 heartbeats of 0.5 s went stale.
+        window = restarted + GRACE + 3 * 0.5 + 2.0
         while time.monotonic() < window:
             assert stub.requests == [], "a live, stopped trainer was flushed"
             time.sleep(0.05)
@@ -282,6 +283,30 @@ def test_a_stopped_trainer_is_never_flushed_across_a_restart(stub: AgentServerSt
     trainer.death()
     assert wait_until(lambda: sorted(stub.flushed_ids()) == ["stopped-a", "stopped-b"], 15.0)
     assert second.poll() is None
+
+
+@pytest.mark.parametrize("grace", [0.0, GRACE])
+def test_a_predecessors_lockless_record_is_recovered_after_the_takeover_grace(stub: AgentServerStub,
+                                                                               short_dir: Path, grace: float) -> None:
+    """A record its dead predecessor kept for a trainer that holds no lock (an older trainer, no flock)
+    is the successor's to recover once ``--takeover-grace`` has passed (the trainer may reconnect)."""
+    ledger = short_dir / "ledger"
+    ledger.mkdir(mode=0o700)
+    predecessor = spawn(["true"])
+    predecessor.wait()  # its pid is gone now
+    write_record(ledger, f"trainer-{'c' * 32}", ["lockless-a"], stub.url, heartbeat_age=0.0, pid=0,
+                 start_time=None, trainer="c" * 32, watchdog_pid=predecessor.pid, watchdog_start_time=1, **here())
+    proc = spawn([PYTHON, "-m", "swe_flush_sync", "guard", "--socket", str(short_dir / "g.sock"), "--ledger",
+                  str(ledger), "--takeover-grace", str(grace)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                 env=subprocess_env(AGENT_SERVER_URL=stub.url, HARBOR_ADMIN_SECRET=SECRET), start_new_session=True)
+    assert read_until(proc, lambda line: line.startswith("guarding"), []) is not None
+    started = time.monotonic()
+    assert wait_until(lambda: stub.flushed_ids() == ["lockless-a"], grace + 10.0)
+    took = stub.requests[0].at - started
+    if grace:  # recovered by the first pass past the grace (a pass every 2 s), not before it
+        assert grace - 0.2 <= took < grace + 2.0 + 3.0, took
+    else:  # by the first pass, at the start (the default grace would have taken 5 s)
+        assert took < 1.5, took
 
 
 @needs_unshare
@@ -319,7 +344,8 @@ def test_a_successor_during_a_drain_flushes_each_death_once_and_no_live_trainer(
     dying.read("ARMED")
     first.proc.send_signal(signal.SIGTERM)
     assert wait_until(lambda: not os.path.exists(first.socket), 5.0)
-    second = start_guard("--ledger", str(ledger), path=first.socket, **env)  # serves at once, mid-drain
+    second = start_guard("--ledger", str(ledger), "--takeover-grace", str(GRACE), path=first.socket,
+                         **env)  # serves at once, mid-drain
     dying.proc.kill()  # a death during the overlap
     dying.death()
     assert wait_until(lambda: sorted(stub.flushed_ids()) == ["dying-a", "dying-b"], 5.0)
@@ -332,7 +358,7 @@ def test_a_successor_during_a_drain_flushes_each_death_once_and_no_live_trainer(
         return out.stdout.startswith(f"guard pid {second.proc.pid}, 1 trainers")
 
     assert wait_until(held_by_second, 15.0)
-    window = time.monotonic() + TAKEOVER_GRACE + 1.0  # past the grace the old rules gave a predecessor's record
+    window = time.monotonic() + GRACE + 1.0  # past the grace the old rules gave a predecessor's record
     while time.monotonic() < window:
         time.sleep(0.05)
     assert Counter(stub.flushed_ids()) == {"dying-a": 1, "dying-b": 1}  # once each, and the live one never
