@@ -15,13 +15,10 @@ import contextlib
 import json
 import logging
 import os
-import secrets
 import signal
-import subprocess
 import sys
 import threading
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn, TextIO
 
 from . import __version__
@@ -32,7 +29,6 @@ from ._guard import DEFAULT_DRAIN, DEFAULT_MAX_HELD, TAKEOVER_GRACE, guard_statu
 from ._guard_client import ImpostorError
 from ._guard_metrics import parse_address
 from ._ledger import recover
-from ._lifecycle import abort
 from ._options import DEFAULT_DEADLINE
 from ._report import FlushReport
 from ._resolve import (
@@ -45,10 +41,10 @@ from ._resolve import (
     resolve_instance_ids,
     resolve_server_urls,
 )
-from ._stub import AgentServerStub
 from ._text import shown
 from ._watchdog_process import DEFAULT_HEARTBEAT
 
+Command = tuple[Callable[[], "Parser"], Callable[[argparse.Namespace], int]]  # a subcommand's parser and runner
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -71,13 +67,16 @@ _OPTION_FLAGS = {"servers": "--url", "max_workers": "--workers", "deadline": "--
                  "ca_bundle": "--ca-bundle", "client_cert's key": "--client-key", "client_cert": "--client-cert"}
 
 
-class _UsageError(Exception):
-    pass
+class UsageError(Exception):
+    """A command line argparse refuses; the message says why."""
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` that raises ``UsageError`` instead of exiting, and names unknown options
+    without their values."""
+
     def error(self, message: str) -> NoReturn:
-        raise _UsageError(message)
+        raise UsageError(message)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -89,7 +88,7 @@ class _Parser(argparse.ArgumentParser):
         positionals, so the hint comes first."""
         tried = sorted({token.split("=", 1)[0] for token in argv if token.split("=", 1)[0] in self.hints})
         if tried:
-            raise _UsageError(f"unrecognized option(s): {', '.join(tried)} (values are never shown); "
+            raise UsageError(f"unrecognized option(s): {', '.join(tried)} (values are never shown); "
                               + "; ".join(self.hints[flag] for flag in tried))
         ns, unknown = self.parse_known_args(argv)
         if unknown:
@@ -97,14 +96,15 @@ class _Parser(argparse.ArgumentParser):
             extra = len([token for token in unknown if not token.startswith("-")])
             named = f"unrecognized option(s): {', '.join(shown(flag, 40) for flag in flags)}" if flags else ""
             values = f"{extra} unexpected argument(s)" if extra else ""
-            raise _UsageError("; ".join(part for part in (named, values) if part) + " (values are never shown)")
+            raise UsageError("; ".join(part for part in (named, values) if part) + " (values are never shown)")
         return ns
 
 
-def _flush_parser() -> _Parser:
-    parser = _Parser(
+def _flush_parser() -> Parser:
+    parser = Parser(
         prog="swe-flush",
         usage=USAGE,
+        parents=[_flush_options()],
         allow_abbrev=False,
         description="Flush agent session-server instances on every agent server, in parallel. "
                     "`swe-flush demo` runs against an embedded stub server; `swe-flush stub` serves one.",
@@ -120,56 +120,20 @@ def _flush_parser() -> _Parser:
     parser.add_argument("--ids-json", metavar="PATH|-",
                         help="JSON file (or - for stdin): a list of ids, a port->id object, or an object "
                              f"holding {PLURAL_ATTR} / {SINGULAR_ATTR}")
-    parser.add_argument("--secret-file", metavar="PATH", help="read the bearer secret from this file")
-    _add_tls(parser)
     # Refused on purpose, without echoing the value: a flag value shows in `ps`.
     parser.add_argument("--secret", "--admin-secret", "--token", dest="secret_flag", nargs="?", const="",
                         help=argparse.SUPPRESS)
-    parser.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE, metavar="S",
-                        help=f"seconds the whole flush may take (default {DEFAULT_DEADLINE:g})")
-    parser.add_argument("--workers", type=int, default=None, metavar="N", help="requests in flight at once")
-    parser.add_argument("--retries", type=int, default=3, metavar="N", help="retries per target (default 3)")
     parser.add_argument("--one-pass", dest="until_idle", action="store_false",
                         help="flush each id once; by default each server is flushed again while its last round "
                              "cancelled something, so runs waiting for a slot never start after the flush")
     parser.add_argument("--until-idle", dest="until_idle", action="store_true", help=argparse.SUPPRESS)  # 1.0's
     parser.set_defaults(until_idle=True)
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    parser.add_argument("-q", "--quiet", action="store_true", help="print only the summary line")
-    parser.add_argument("-v", "--verbose", action="count", default=0,
-                        help="log to stderr (-v: INFO, -vv: DEBUG)")
     parser.add_argument("--version", action="version", version=f"swe-flush {__version__}")
     return parser
 
 
-def _demo_parser() -> _Parser:
-    parser = _Parser(prog="swe-flush demo", allow_abbrev=False,
-                     description="Start a stub agent server with in-flight trials and flush them all.")
-    parser.add_argument("--instances", type=int, default=8, metavar="N", help="session-server instances (default 8)")
-    parser.add_argument("--teardown", type=float, default=0.5, metavar="S",
-                        help="seconds each flush waits for its trials' teardown (default 0.5)")
-    _add_max_concurrent(parser)
-    _add_until_idle(parser)
-    parser.add_argument("--watchdog", action="store_true",
-                        help="instead: a trainer process arms a watchdog and is killed with SIGKILL; "
-                             "show what the watchdog flushed")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    return parser
-
-
-def _add_until_idle(parser: _Parser) -> None:
-    parser.add_argument("--until-idle", action="store_true",
-                        help="flush each server again while its last round cancelled something (runs "
-                             "waiting for a slot start when one is freed)")
-
-
-def _add_max_concurrent(parser: _Parser) -> None:
-    parser.add_argument("--max-concurrent", type=int, default=None, metavar="N",
-                        help="stub server: trials running at once; more runs wait for a slot (default: no limit)")
-
-
-def _recover_parser() -> _Parser:
-    parser = _Parser(prog="swe-flush recover", allow_abbrev=False,
+def _recover_parser() -> Parser:
+    parser = Parser(prog="swe-flush recover", allow_abbrev=False, parents=[_flush_options()],
                      description="Flush the ids of every trainer in a watchdog ledger whose owner is gone "
                                  "(until idle), and remove the records that flushed.")
     parser.add_argument("ledger", metavar="DIR", help="the ledger directory (the watchdog's ledger option)")
@@ -177,21 +141,26 @@ def _recover_parser() -> _Parser:
     parser.add_argument("--url", action="append", default=[], metavar="URL",
                         help="an agent server a record may name (repeatable; default: AGENT_SERVER_URL); a "
                              "record naming any other server is left alone: the bearer goes only to these")
-    parser.add_argument("--secret-file", metavar="PATH", help="read the bearer secret from this file")
-    _add_tls(parser)
-    parser.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE, metavar="S",
-                        help=f"seconds the whole flush may take (default {DEFAULT_DEADLINE:g})")
-    parser.add_argument("--workers", type=int, default=None, metavar="N", help="requests in flight at once")
-    parser.add_argument("--retries", type=int, default=3, metavar="N", help="retries per target (default 3)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    parser.add_argument("-q", "--quiet", action="store_true", help="print only the summary line")
-    parser.add_argument("-v", "--verbose", action="count", default=0,
-                        help="log to stderr (-v: INFO, -vv: DEBUG)")
     return parser
 
 
-def _guard_parser() -> _Parser:
-    parser = _Parser(prog="swe-flush guard", allow_abbrev=False,
+def _flush_options() -> argparse.ArgumentParser:
+    """The options ``swe-flush`` and ``swe-flush recover`` share (their parent parser)."""
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument("--secret-file", metavar="PATH", help="read the bearer secret from this file")
+    _add_tls(parent)
+    parent.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE, metavar="S",
+                        help=f"seconds the whole flush may take (default {DEFAULT_DEADLINE:g})")
+    parent.add_argument("--workers", type=int, default=None, metavar="N", help="requests in flight at once")
+    parent.add_argument("--retries", type=int, default=3, metavar="N", help="retries per target (default 3)")
+    parent.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parent.add_argument("-q", "--quiet", action="store_true", help="print only the summary line")
+    parent.add_argument("-v", "--verbose", action="count", default=0, help="log to stderr (-v: INFO, -vv: DEBUG)")
+    return parent
+
+
+def _guard_parser() -> Parser:
+    parser = Parser(prog="swe-flush guard", allow_abbrev=False,
                      description="Listen on a Unix socket for trainers (watchdog(args, guard=PATH)); flush each "
                                  "trainer whose connection ends without a disarm. Run it outside the trainer's "
                                  "container (a sidecar). Its first line of output starts with 'guarding '.")
@@ -247,7 +216,7 @@ def _run_guard(ns: argparse.Namespace) -> int:
                          takeover_grace=ns.takeover_grace)
 
 
-def _add_tls(parser: _Parser) -> None:
+def _add_tls(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ca-bundle", metavar="PATH",
                         help="CA certificates for https servers: a PEM file or a directory (default: "
                              "REQUESTS_CA_BUNDLE, CURL_CA_BUNDLE or SSL_CERT_FILE, then the system store)")
@@ -263,8 +232,8 @@ def _tls_options(ns: argparse.Namespace) -> dict[str, Any]:
     return {"ca_bundle": ns.ca_bundle, "client_cert": client_cert}
 
 
-def _doctor_parser() -> _Parser:
-    parser = _Parser(prog="swe-flush doctor", allow_abbrev=False,
+def _doctor_parser() -> Parser:
+    parser = Parser(prog="swe-flush doctor", allow_abbrev=False,
                      description="Check this trainer's setup before the run: the servers (a /flush of an id that "
                                  "cannot exist, with the bearer), the guard, the container, the ledger, the limits "
                                  "and versions. One line per check (ok, warn, fail); exit 1 when any failed. Run it "
@@ -291,38 +260,24 @@ def _run_doctor(ns: argparse.Namespace) -> int:
     return EXIT_FAILED if failed(checks) else EXIT_OK
 
 
-def _stub_parser() -> _Parser:
-    parser = _Parser(prog="swe-flush stub", allow_abbrev=False,
-                     description="Serve the stub agent server in the foreground until Ctrl-C; "
-                                 "its first line of output is its URL.")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=0, help="port to bind (default 0: a free one)")
-    parser.add_argument("--teardown", type=float, default=0.0, metavar="S",
-                        help="seconds each flush waits for its trials' teardown (default 0)")
-    _add_max_concurrent(parser)
-    parser.add_argument("--secret-env", metavar="VAR",
-                        help="require the bearer secret held by this environment variable")
-    return parser
+def _command(name: str) -> Command:
+    """The parser and runner of a subcommand (demo and stub are loaded only for themselves)."""
+    if name in _DEMO_COMMANDS:
+        from ._cli_demo import COMMANDS
+
+        return COMMANDS[name]
+    return _COMMANDS[name]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``swe-flush`` with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = argv[0] if argv and argv[0] in ("demo", "stub", "recover", "guard", "doctor") else None
+    command = argv[0] if argv and (argv[0] in _COMMANDS or argv[0] in _DEMO_COMMANDS) else None
     as_json = "--json" in argv
     try:
-        if command == "demo":
-            return _run_demo(_demo_parser().parse_args_naming_unknown(argv[1:]))
-        if command == "stub":
-            return _run_stub(_stub_parser().parse_args_naming_unknown(argv[1:]))
-        if command == "recover":
-            return _run_recover(_recover_parser().parse_args_naming_unknown(argv[1:]))
-        if command == "guard":
-            return _run_guard(_guard_parser().parse_args_naming_unknown(argv[1:]))
-        if command == "doctor":
-            return _run_doctor(_doctor_parser().parse_args_naming_unknown(argv[1:]))
-        return _run_flush(_flush_parser().parse_args_naming_unknown(argv))
-    except (_UsageError, FlushError) as exc:
+        parser, run = _command(command) if command else (_flush_parser, _run_flush)
+        return run(parser().parse_args_naming_unknown(argv[1:] if command else argv))
+    except (UsageError, FlushError) as exc:
         message = _name_flags(str(exc))
         if as_json:
             print(json.dumps({"ok": False, "error": message}))
@@ -356,7 +311,7 @@ def _run_flush(ns: argparse.Namespace) -> int:
                                   retries=ns.retries, until_idle=ns.until_idle, linger=0,
                                   **_tls_options(ns)) as flusher:
         report, interrupted = _flush_interruptibly(flusher, ids)
-    _print_report(report, ns.json, quiet=ns.quiet)
+    print_report(report, ns.json, quiet=ns.quiet)
     if interrupted:
         return EXIT_INTERRUPTED
     return EXIT_OK if report.ok else EXIT_FAILED
@@ -398,7 +353,7 @@ def _run_recover(ns: argparse.Namespace) -> int:
         report = recover(ns.ledger, servers=ns.url or None, bearer=bearer, deadline=ns.deadline,
                          max_workers=ns.workers,
                          retries=ns.retries, **_tls_options(ns))
-    _print_report(report, ns.json, quiet=ns.quiet)
+    print_report(report, ns.json, quiet=ns.quiet)
     return EXIT_OK if report.ok else EXIT_FAILED
 
 
@@ -465,7 +420,7 @@ def _read_ids_json(path: str) -> tuple[str, ...]:
     raise ConfigError(f"--ids-json: {shown(path)} must hold {shapes}, not a JSON {type(data).__name__}")
 
 
-def _print_report(report: FlushReport, as_json: bool, out: TextIO | None = None, *, quiet: bool = False) -> None:
+def print_report(report: FlushReport, as_json: bool, out: TextIO | None = None, *, quiet: bool = False) -> None:
     out = out or sys.stdout
     if as_json:
         print(json.dumps(report.to_dict(), indent=2), file=out)
@@ -483,115 +438,6 @@ def _print_report(report: FlushReport, as_json: bool, out: TextIO | None = None,
     print(report.summary() if report.results or report.error else "nothing to flush", file=out)
 
 
-def _run_stub(ns: argparse.Namespace) -> int:
-    secret = None
-    if ns.secret_env:
-        secret = os.environ.get(ns.secret_env)
-        if not secret:
-            raise ConfigError(f"--secret-env: {shown(ns.secret_env, 60)} is not set")
-    if ns.teardown < 0 or not 0 <= ns.port <= 65535:
-        raise ConfigError("--teardown must be >= 0 and --port from 0 to 65535")
-    _check_max_concurrent(ns.max_concurrent)
-    try:
-        stub = AgentServerStub(secret=secret, teardown=ns.teardown, host=ns.host, port=ns.port,
-                               max_concurrent=ns.max_concurrent).start()
-    except OSError as exc:
-        raise ConfigError(f"cannot serve on {shown(ns.host, 60)}:{ns.port}: {exc.strerror or exc}") from None
-    print(stub.url, flush=True)
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        return EXIT_OK
-    finally:
-        stub.stop()
-
-
-def _check_max_concurrent(value: int | None) -> None:
-    if value is not None and value < 1:
-        raise ConfigError("--max-concurrent must be >= 1")
-
-
-def _run_demo(ns: argparse.Namespace) -> int:
-    if ns.instances < 1 or ns.teardown < 0:
-        raise ConfigError("--instances must be >= 1 and --teardown >= 0")
-    _check_max_concurrent(ns.max_concurrent)
-    if ns.watchdog:
-        return _run_watchdog_demo(ns)
-    secret = secrets.token_urlsafe(16)
-    ids = [f"demo-instance-{index}" for index in range(ns.instances)]
-    with AgentServerStub(secret=secret, teardown=ns.teardown, max_concurrent=ns.max_concurrent) as stub:
-        for index, instance_id in enumerate(ids):
-            stub.add_trials(instance_id, 2 + index % 3)
-        # Trainer args as the framework fills them: a port -> id map plus the singular id.
-        args = argparse.Namespace(
-            session_server_instance_ids={8000 + index: instance_id for index, instance_id in enumerate(ids)},
-            session_server_instance_id=ids[0],
-        )
-        report = abort(args, environ={"AGENT_SERVER_URL": stub.url, "HARBOR_ADMIN_SECRET": secret},
-                       until_idle=ns.until_idle)
-        left = sum(stub.trials(instance_id) for instance_id in ids) + stub.waiting()
-    one_by_one = sum(result.elapsed for result in report.results)
-    if ns.json:
-        print(json.dumps({**report.to_dict(), "one_by_one_seconds": one_by_one, "trials_left": left}, indent=2))
-    else:
-        slots = "" if ns.max_concurrent is None else f" ({ns.max_concurrent} run at once, the rest wait for a slot)"
-        print(f"swe-flush demo: {len(ids)} session-server instances, {report.cancelled} trials cancelled{slots}, "
-              f"{ns.teardown:g}s teardown each, on a stub agent server at {stub.url}\n")
-        _print_report(report, False)
-        print(f"\nwall time: {report.elapsed:.2f}s in parallel; one by one it would have taken "
-              f"{one_by_one:.2f}s (the sum of each flush's own time), {one_by_one / max(report.elapsed, 1e-9):.1f}x "
-              f"longer. Trials left running or waiting: {left}.")
-    return EXIT_OK if report.ok and left == 0 else EXIT_FAILED
-
-
-_DEMO_TRAINER = """
-import sys
-from swe_flush_sync import watchdog
-ids = sys.argv[1:]
-guard = watchdog({"session_server_instance_ids": ids}, deadline=10)
-print(guard.pid, flush=True)
-sys.stdin.read()  # a trainer at work, until it is killed
-"""
-
-
-def _run_watchdog_demo(ns: argparse.Namespace) -> int:
-    """A trainer process arms a watchdog, is killed with SIGKILL; the watchdog flushes its trials."""
-    secret = secrets.token_urlsafe(16)
-    ids = [f"demo-instance-{index}" for index in range(ns.instances)]
-    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with AgentServerStub(secret=secret, teardown=ns.teardown, max_concurrent=ns.max_concurrent) as stub:
-        for index, instance_id in enumerate(ids):
-            stub.add_trials(instance_id, 2 + index % 3)
-        started = sum(stub.trials(instance_id) for instance_id in ids) + stub.waiting()
-        env = {**os.environ, "AGENT_SERVER_URL": stub.url, "HARBOR_ADMIN_SECRET": secret,
-               "PYTHONPATH": os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")]))}
-        trainer = subprocess.Popen([sys.executable, "-c", _DEMO_TRAINER, *ids], stdin=subprocess.PIPE,
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
-        assert trainer.stdout is not None and trainer.stderr is not None
-        watchdog_pid = trainer.stdout.readline().strip()
-        if not watchdog_pid.isdigit():
-            trainer.kill()
-            trainer.communicate()
-            raise FlushError("the demo trainer could not arm its watchdog")
-        trainer.kill()  # SIGKILL: no Python runs in the trainer any more
-        trainer.wait()
-        killed = time.monotonic()
-        said = trainer.stderr.read()  # end-of-file once the watchdog, which inherited it, has exited
-        ended = time.monotonic() - killed
-        trainer.stdin.close()  # type: ignore[union-attr]
-        trainer.stdout.close()
-        trainer.stderr.close()
-        flushed = len(stub.flushed_ids())
-        left = sum(stub.trials(instance_id) for instance_id in ids) + stub.waiting()
-    summary = said.strip().splitlines()[-1] if said.strip() else "(the watchdog said nothing)"
-    if ns.json:
-        print(json.dumps({"trainer_pid": trainer.pid, "watchdog_pid": int(watchdog_pid), "watchdog_said": summary,
-                          "flush_requests": flushed, "trials_started": started, "trials_left": left,
-                          "watchdog_exited_after_seconds": ended}, indent=2))
-    else:
-        print(f"swe-flush demo --watchdog: a trainer (pid {trainer.pid}) ran {started} trials on "
-              f"{len(ids)} session-server instances at {stub.url}, armed a watchdog (pid {watchdog_pid}) "
-              f"and was killed with SIGKILL.\n\n{summary}\n\nThe watchdog sent {flushed} flush requests "
-              f"and exited {ended:.2f}s after the kill. Trials left running or waiting: {left}.")
-    return EXIT_OK if left == 0 and "trainer gone; flushed" in summary else EXIT_FAILED
+_COMMANDS: dict[str, Command] = {"recover": (_recover_parser, _run_recover), "guard": (_guard_parser, _run_guard),
+                                 "doctor": (_doctor_parser, _run_doctor)}
+_DEMO_COMMANDS = ("demo", "stub")  # in _cli_demo: only they need the stub server

@@ -211,3 +211,14 @@ def test_a_bad_url_shows_what_was_typed_without_credentials(typed: str, shown_as
     out = _cli("--url", typed, "--id", "a")
     assert out.returncode == 2 and f"--url: {shown_as} must start with http:// or https://" in out.stderr
     assert "hunter2" not in out.stderr
+
+
+def test_the_stub_server_is_loaded_only_for_demo_and_stub(stub: AgentServerStub) -> None:
+    probe = ("import sys; from swe_flush_sync._cli import main; code = main(sys.argv[1:]); "
+             "print(code, 'swe_flush_sync._stub' in sys.modules, 'swe_flush_sync._cli_demo' in sys.modules)")
+    flush = subprocess.run([PYTHON, "-c", probe, "--url", stub.url, "--id", "a", "-q"], capture_output=True,
+                           text=True, env=subprocess_env(HARBOR_ADMIN_SECRET=SECRET), timeout=60)
+    assert flush.stdout.splitlines()[-1] == "0 False False", flush.stdout + flush.stderr
+    demo = subprocess.run([PYTHON, "-c", probe, "demo", "--instances", "1", "--teardown", "0"], capture_output=True,
+                          text=True, env=subprocess_env(), timeout=60)
+    assert demo.stdout.splitlines()[-1] == "0 True True", demo.stdout + demo.stderr
