@@ -124,8 +124,8 @@ _DEMO_TRAINER = """
 import sys
 from swe_flush_sync import watchdog
 ids = sys.argv[1:]
-guard = watchdog({"session_server_instance_ids": ids}, deadline=10)
-print(guard.pid, flush=True)
+dog = watchdog({"session_server_instance_ids": ids}, deadline=10)
+print(dog.pid, flush=True)
 sys.stdin.read()  # a trainer at work, until it is killed
 """
 

@@ -128,7 +128,7 @@ def test_a_record_a_recover_took_ends_its_retries(short_dir: Path) -> None:
 
     class Dead:
         trainer_pid = 4321
-        ledger = Keeper()
+        record = Keeper()
         flushed = 0
 
         def flush(self, *args: object, **kwargs: object) -> None:
