@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from swe_flush_sync._lifecycle import _close_cached_flushers
+from swe_flush_sync._watchdog_process import process_stat
 from swe_flush_sync.testing import AgentServerStub
 
 SECRET = "s3cret-token-do-not-leak"
@@ -149,13 +150,25 @@ def blocked_in(pid: int, call: str = "sleep", timeout: float = 5.0) -> bool:
     return wait_until(blocked, timeout)
 
 
+def proc_stat(pid: int) -> list[bytes]:
+    """``/proc/PID/stat``'s fields from the third on (0: the state, 1: the parent, 2: the group,
+    3: the session, 11/12: user/system ticks, 19: the start time), read by the package's own parser."""
+    fields = process_stat(pid)
+    if fields is None:
+        raise FileNotFoundError(f"/proc/{pid}/stat")
+    return fields
+
+
+def proc_status(pid: int, key: str) -> int:
+    """One number of ``/proc/PID/status`` (``Threads``, ``VmRSS``, ``VmHWM``: KiB)."""
+    with open(f"/proc/{pid}/status") as status:
+        return int(next(line.split()[1] for line in status if line.startswith(key + ":")))
+
+
 def gone(pid: int) -> bool:
     """True when ``pid`` has exited (no such process, or a zombie not yet reaped by init)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            return handle.read().rpartition(b")")[2].split()[0] == b"Z"
-    except FileNotFoundError:
-        return True
+    fields = process_stat(pid)
+    return fields is None or fields[0] == b"Z"
 
 
 @pytest.fixture(autouse=True)
@@ -216,7 +229,7 @@ PYTHON = sys.executable
 
 
 @dataclass
-class Guard:
+class GuardProcess:
     proc: subprocess.Popen[str]
     socket: str
     lines: list[str]
@@ -235,9 +248,12 @@ def short_dir() -> Iterator[Path]:
     shutil.rmtree(folder, ignore_errors=True)
 
 
+StartGuard = Callable[..., GuardProcess]  # start_guard(*options, path=None, **env): a guard running
+
+
 @pytest.fixture
-def start_guard(short_dir: Path) -> Callable[..., Guard]:
-    def start(*extra: str, path: str | None = None, **env: str) -> Guard:
+def start_guard(short_dir: Path) -> StartGuard:
+    def start(*extra: str, path: str | None = None, **env: str) -> GuardProcess:
         socket_path = path or str(short_dir / "run" / "guard.sock")
         proc = spawn([PYTHON, "-m", "swe_flush_sync", "guard", "--socket", socket_path, *extra],
                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=subprocess_env(**env),
@@ -246,6 +262,6 @@ def start_guard(short_dir: Path) -> Callable[..., Guard]:
         if read_until(proc, lambda line: line.startswith("guarding "), lines) is None:
             proc.kill()
             raise AssertionError(f"the guard never said it was guarding: {lines} {proc.communicate()[1]}")
-        return Guard(proc, socket_path, lines)
+        return GuardProcess(proc, socket_path, lines)
 
     return start

@@ -16,8 +16,8 @@ import pytest
 
 from swe_flush_sync.testing import AgentServerStub
 
-from .conftest import PYTHON, REPO, SECRET, Guard, read_until, spawn, subprocess_env
-from .test_ledger_trust import needs_unshare
+from .conftest import PYTHON, REPO, SECRET, StartGuard, read_until, spawn, subprocess_env
+from .helpers import needs_unshare
 
 MASTER = "scoped-master-secret-" + "m" * 20
 ENV = {"HARBOR_ADMIN_SECRET": SECRET}
@@ -84,7 +84,7 @@ def test_tls_with_and_without_the_ca(agent_server_tls: AgentServerStub) -> None:
     assert code == 1 and "certificate" in server_check(checks)["detail"]
 
 
-def test_a_guard_that_answers_and_one_that_does_not(stub: AgentServerStub, start_guard: Callable[..., Guard],
+def test_a_guard_that_answers_and_one_that_does_not(stub: AgentServerStub, start_guard: StartGuard,
                                                     short_dir: Path) -> None:
     guard = start_guard()
     code, checks, _ = doctor(AGENT_SERVER_URL=stub.url, HARBOR_ADMIN_SECRET=SECRET, SWE_FLUSH_GUARD=guard.socket)
@@ -134,7 +134,7 @@ def test_the_ledger(stub: AgentServerStub, tmp_path: Path) -> None:
 
 @needs_unshare
 def test_pid_1_with_no_guard_fails_and_names_the_guard(stub: AgentServerStub,
-                                                       start_guard: Callable[..., Guard]) -> None:
+                                                       start_guard: StartGuard) -> None:
     command = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", PYTHON, "-m", "swe_flush_sync",
                "doctor", "--json"]
     out = subprocess.run(command, capture_output=True, text=True, timeout=60,

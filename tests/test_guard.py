@@ -13,7 +13,6 @@ import subprocess
 import textwrap
 import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,22 +21,22 @@ from swe_flush_sync import ConfigError, FlushError, recover, watchdog
 from swe_flush_sync import _watchdog as watchdog_module
 from swe_flush_sync.testing import AgentServerStub
 
-from .conftest import PYTHON, SECRET, Guard, spawn, stays, subprocess_env
-from .test_ledger import ENV, records, write_record
-from .test_ledger_trust import contained_trainer, namespace_init, needs_unshare
-from .test_watchdog import IDS, Trainer, wait_until
-
-
-def guarded_trainer(stub: AgentServerStub, guard: Guard, body: str = "time.sleep(60)", **env: str) -> Trainer:
-    return Trainer(stub, f"""
-        guard = watchdog(args, guard={guard.socket!r}, until_idle=False)
-        print("ARMED", guard.pid, guard.armed, flush=True)
-        {body}
-    """, **env)
+from .conftest import PYTHON, SECRET, GuardProcess, StartGuard, spawn, stays, subprocess_env, wait_until
+from .helpers import (
+    ENV,
+    IDS,
+    Trainer,
+    contained_trainer,
+    guarded_trainer,
+    namespace_init,
+    needs_unshare,
+    records,
+    write_record,
+)
 
 
 def test_the_whole_container_dies_and_the_guard_flushes(stub: AgentServerStub,
-                                                        start_guard: Callable[..., Guard]) -> None:
+                                                        start_guard: StartGuard) -> None:
     guard = start_guard()
     trainer = guarded_trainer(stub, guard)
     words = trainer.read("ARMED")
@@ -52,7 +51,7 @@ def test_the_whole_container_dies_and_the_guard_flushes(stub: AgentServerStub,
 
 @needs_unshare
 @pytest.mark.parametrize("how", ["guard=", "SWE_FLUSH_GUARD"])
-def test_a_trainer_that_is_pid_1_of_its_container(stub: AgentServerStub, start_guard: Callable[..., Guard],
+def test_a_trainer_that_is_pid_1_of_its_container(stub: AgentServerStub, start_guard: StartGuard,
                                                   how: str) -> None:
     guard = start_guard()
     for instance_id in IDS:
@@ -87,7 +86,7 @@ def test_a_local_watchdog_armed_by_pid_1_warns(stub: AgentServerStub) -> None:
     assert err.count("PID 1 of its PID namespace") == 1
 
 
-def test_disarm_then_death_flushes_nothing(stub: AgentServerStub, start_guard: Callable[..., Guard]) -> None:
+def test_disarm_then_death_flushes_nothing(stub: AgentServerStub, start_guard: StartGuard) -> None:
     guard = start_guard()
     trainer = guarded_trainer(stub, guard, """guard.disarm()
         print("DISARMED", guard.armed, flush=True)
@@ -100,7 +99,7 @@ def test_disarm_then_death_flushes_nothing(stub: AgentServerStub, start_guard: C
     assert stub.requests == [] and guard.proc.poll() is None
 
 
-def test_refresh_then_death_flushes_the_new_ids(stub: AgentServerStub, start_guard: Callable[..., Guard]) -> None:
+def test_refresh_then_death_flushes_the_new_ids(stub: AgentServerStub, start_guard: StartGuard) -> None:
     guard = start_guard()
     trainer = guarded_trainer(stub, guard, """args.session_server_instance_ids = {9: "wd-new"}
         print("REFRESHED", guard.refresh(), flush=True)
@@ -113,7 +112,7 @@ def test_refresh_then_death_flushes_the_new_ids(stub: AgentServerStub, start_gua
     assert stays(lambda: sorted(stub.flushed_ids()) == ["wd-c", "wd-new"])
 
 
-def test_twelve_trainers_killed_at_once(stub: AgentServerStub, start_guard: Callable[..., Guard]) -> None:
+def test_twelve_trainers_killed_at_once(stub: AgentServerStub, start_guard: StartGuard) -> None:
     guard = start_guard()
     trainers = []
     for index in range(12):
@@ -135,12 +134,12 @@ def test_twelve_trainers_killed_at_once(stub: AgentServerStub, start_guard: Call
     assert Counter(stub.flushed_ids()) == expected and _status(guard) == (guard.proc.pid, 0)
 
 
-def _status_line(guard: Guard) -> str:
+def _status_line(guard: GuardProcess) -> str:
     return subprocess.run([PYTHON, "-m", "swe_flush_sync", "guard", "--socket", guard.socket, "--status"],
                           capture_output=True, text=True, env=subprocess_env(), timeout=30).stdout.strip()
 
 
-def _status(guard: Guard) -> tuple[int, int] | None:
+def _status(guard: GuardProcess) -> tuple[int, int] | None:
     out = subprocess.run([PYTHON, "-m", "swe_flush_sync", "guard", "--socket", guard.socket, "--status"],
                          capture_output=True, text=True, env=subprocess_env(), timeout=30)
     if out.returncode != 0:
@@ -150,7 +149,7 @@ def _status(guard: Guard) -> tuple[int, int] | None:
     return int(words[2].rstrip(",")), int(words[3])
 
 
-def test_a_restarted_guard_takes_the_trainer_back(stub: AgentServerStub, start_guard: Callable[..., Guard]) -> None:
+def test_a_restarted_guard_takes_the_trainer_back(stub: AgentServerStub, start_guard: StartGuard) -> None:
     first = start_guard()
     trainer = Trainer(stub, stdin=True, body=f"""
         guard = watchdog(args, guard={first.socket!r}, until_idle=False)
@@ -180,7 +179,7 @@ def test_a_restarted_guard_takes_the_trainer_back(stub: AgentServerStub, start_g
 
 
 def test_aborts_from_two_threads_while_the_guard_restarts_never_garble_a_line(
-        stub: AgentServerStub, start_guard: Callable[..., Guard]) -> None:
+        stub: AgentServerStub, start_guard: StartGuard) -> None:
     """Two threads abort with changing ids while the follower thread reconnects to a guard that is
     restarted three times: every line each guard got was whole (none dropped the connection)."""
     guards = [start_guard()]
@@ -231,7 +230,7 @@ def test_aborts_from_two_threads_while_the_guard_restarts_never_garble_a_line(
     assert not any("dropped the connection" in text for text in said), said
 
 
-def test_a_live_guard_keeps_its_socket(stub: AgentServerStub, start_guard: Callable[..., Guard],
+def test_a_live_guard_keeps_its_socket(stub: AgentServerStub, start_guard: StartGuard,
                                        short_dir: Path) -> None:
     guard = start_guard()
     assert oct(os.stat(guard.socket).st_mode & 0o777) == "0o600"
@@ -252,13 +251,13 @@ def test_a_live_guard_keeps_its_socket(stub: AgentServerStub, start_guard: Calla
     assert wait_until(lambda: len(stub.requests) >= 3, 3.0)
 
 
-def test_status_live_and_absent(start_guard: Callable[..., Guard], short_dir: Path) -> None:
-    assert _status(Guard(proc=None, socket=str(short_dir / "none.sock"), lines=[])) is None  # type: ignore[arg-type]
+def test_status_live_and_absent(start_guard: StartGuard, short_dir: Path) -> None:
+    assert _status(GuardProcess(proc=None, socket=str(short_dir / "none.sock"), lines=[])) is None  # type: ignore[arg-type]
     guard = start_guard()
     assert _status(guard) == (guard.proc.pid, 0)
 
 
-def test_garbage_costs_only_its_connection(stub: AgentServerStub, start_guard: Callable[..., Guard]) -> None:
+def test_garbage_costs_only_its_connection(stub: AgentServerStub, start_guard: StartGuard) -> None:
     guard = start_guard()
     trainer = guarded_trainer(stub, guard)
     trainer.read("ARMED")
@@ -285,7 +284,7 @@ def test_garbage_costs_only_its_connection(stub: AgentServerStub, start_guard: C
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a peer of another uid)")
-def test_a_peer_of_another_uid_is_refused(stub: AgentServerStub, start_guard: Callable[..., Guard]) -> None:
+def test_a_peer_of_another_uid_is_refused(stub: AgentServerStub, start_guard: StartGuard) -> None:
     guard = start_guard()
     os.chmod(guard.socket, 0o666)  # even when the file lets it connect
     for folder in (os.path.dirname(guard.socket), os.path.dirname(os.path.dirname(guard.socket))):
@@ -309,7 +308,7 @@ def test_a_peer_of_another_uid_is_refused(stub: AgentServerStub, start_guard: Ca
 
 
 def test_sigterm_hands_the_path_over_and_flushes_a_death_meanwhile(stub: AgentServerStub,
-                                                                   start_guard: Callable[..., Guard]) -> None:
+                                                                   start_guard: StartGuard) -> None:
     guard = start_guard("--drain", "20")
     trainer = guarded_trainer(stub, guard)
     trainer.read("ARMED")
@@ -324,7 +323,7 @@ def test_sigterm_hands_the_path_over_and_flushes_a_death_meanwhile(stub: AgentSe
 
 
 def test_the_drain_time_runs_out_and_the_trainer_arms_with_the_next_guard(stub: AgentServerStub,
-                                                                          start_guard: Callable[..., Guard]) -> None:
+                                                                          start_guard: StartGuard) -> None:
     guard = start_guard("--drain", "0.5")
     trainer = guarded_trainer(stub, guard)
     trainer.read("ARMED")
@@ -338,7 +337,7 @@ def test_the_drain_time_runs_out_and_the_trainer_arms_with_the_next_guard(stub: 
     assert Counter(stub.flushed_ids()) == dict.fromkeys(IDS, 1)
 
 
-def test_ledger_guard_and_trainer_killed_then_recover(stub: AgentServerStub, start_guard: Callable[..., Guard],
+def test_ledger_guard_and_trainer_killed_then_recover(stub: AgentServerStub, start_guard: StartGuard,
                                                       short_dir: Path) -> None:
     ledger = short_dir / "ledger"
     guard = start_guard("--ledger", str(ledger))
@@ -358,7 +357,7 @@ def test_ledger_guard_and_trainer_killed_then_recover(stub: AgentServerStub, sta
     assert report.ok and Counter(stub.flushed_ids()) == dict.fromkeys(IDS, 1) and records(ledger) == []
 
 
-def test_a_disarm_removes_the_guards_record(stub: AgentServerStub, start_guard: Callable[..., Guard],
+def test_a_disarm_removes_the_guards_record(stub: AgentServerStub, start_guard: StartGuard,
                                             short_dir: Path) -> None:
     ledger = short_dir / "ledger"
     guard = start_guard("--ledger", str(ledger))
@@ -369,7 +368,7 @@ def test_a_disarm_removes_the_guards_record(stub: AgentServerStub, start_guard: 
     assert wait_until(lambda: records(ledger) == [], 2.0) and stub.requests == []
 
 
-def test_a_guard_started_on_a_ledger_recovers_it(stub: AgentServerStub, start_guard: Callable[..., Guard],
+def test_a_guard_started_on_a_ledger_recovers_it(stub: AgentServerStub, start_guard: StartGuard,
                                                  short_dir: Path) -> None:
     ledger = short_dir / "ledger"
     ledger.mkdir(mode=0o700)
@@ -379,7 +378,7 @@ def test_a_guard_started_on_a_ledger_recovers_it(stub: AgentServerStub, start_gu
     assert wait_until(lambda: records(ledger) == [], 2.0) and guard.proc.poll() is None
 
 
-def test_a_guard_with_no_server_says_it_cannot_recover(start_guard: Callable[..., Guard], short_dir: Path) -> None:
+def test_a_guard_with_no_server_says_it_cannot_recover(start_guard: StartGuard, short_dir: Path) -> None:
     guard = start_guard("--ledger", str(short_dir / "ledger"))
     time.sleep(0.5)
     guard.proc.send_signal(signal.SIGTERM)

@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,11 +26,23 @@ from swe_flush_sync._guard_flushes import _Retrying
 from swe_flush_sync._guard_pool import DEFAULT_FLUSH_WORKERS
 from swe_flush_sync.testing import AgentServerStub
 
-from .conftest import PYTHON, SECRET, Guard, read_until, spawn, subprocess_env
-from .test_guard_walls import OTHER_UID, a_state, answer, connect, impostor, needs_root, state_line
-from .test_ledger import here, records, write_record
-from .test_ledger_trust import _unshare_works, namespace_init, needs_unshare
-from .test_watchdog import Trainer, wait_until
+from .conftest import PYTHON, SECRET, StartGuard, proc_status, read_until, spawn, subprocess_env, wait_until
+from .helpers import (
+    OTHER_UID,
+    Trainer,
+    _unshare_works,
+    a_state,
+    answer,
+    connect,
+    here,
+    impostor,
+    namespace_init,
+    needs_root,
+    needs_unshare,
+    records,
+    state_line,
+    write_record,
+)
 
 MAX_THREADS = 64
 GRACE = 1.0  # --takeover-grace of the restart tests (5 s by default): the windows they watch are that much shorter
@@ -38,8 +50,7 @@ PIDS_ROOT = Path("/sys/fs/cgroup/pids")
 
 
 def _threads(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        return int(next(line.split()[1] for line in status if line.startswith("Threads:")))
+    return proc_status(pid, "Threads")
 
 
 def _dies_holding(path: str, state: dict[str, object]) -> None:
@@ -96,7 +107,7 @@ def test_a_pids_limit_never_ends_the_guard(short_dir: Path, pids_cgroup: Path) -
 
 
 def test_a_refused_bearer_is_retried_slowly_and_not_after_recover(short_dir: Path,
-                                                                   start_guard: Callable[..., Guard]) -> None:
+                                                                   start_guard: StartGuard) -> None:
     ledger = short_dir / "ledger"
     guard = start_guard("--ledger", str(ledger))
     with AgentServerStub(secret=SECRET) as stub:
@@ -140,7 +151,7 @@ def test_a_record_a_recover_took_ends_its_retries(short_dir: Path) -> None:
     assert channel.flushed == 0 and daemon.deaths.count() == 0
 
 
-def test_a_bad_update_keeps_the_last_good_state(start_guard: Callable[..., Guard]) -> None:
+def test_a_bad_update_keeps_the_last_good_state(start_guard: StartGuard) -> None:
     guard = start_guard()
     with AgentServerStub() as stub:
         good = a_state(urls=[stub.url], ids=["good-a", "good-b"], trainer=_token(1))
@@ -158,7 +169,7 @@ def test_a_bad_update_keeps_the_last_good_state(start_guard: Callable[..., Guard
 
 @needs_root
 def test_status_names_another_uids_socket_and_the_guard_takes_the_path(short_dir: Path,
-                                                                        start_guard: Callable[..., Guard]) -> None:
+                                                                        start_guard: StartGuard) -> None:
     short_dir.chmod(0o755)
     folder = short_dir / "run"
     folder.mkdir(mode=0o1777)
@@ -175,7 +186,7 @@ def test_status_names_another_uids_socket_and_the_guard_takes_the_path(short_dir
     other.kill()
 
 
-def test_a_removed_socket_path_answers_again(start_guard: Callable[..., Guard]) -> None:
+def test_a_removed_socket_path_answers_again(start_guard: StartGuard) -> None:
     guard = start_guard()
     os.unlink(guard.socket)  # a tmp cleaner, another container on a shared emptyDir
     removed = time.monotonic()
@@ -205,7 +216,7 @@ def test_flush_workers_are_started_once(short_dir: Path) -> None:
     assert wait_until(lambda: len(daemon.deaths.pool) == 0, 5.0)
 
 
-def test_lines_are_said_at_most_once_a_minute_per_kind(start_guard: Callable[..., Guard]) -> None:
+def test_lines_are_said_at_most_once_a_minute_per_kind(start_guard: StartGuard) -> None:
     guard = start_guard()
     for _ in range(20):
         with connect(guard.socket) as peer:
@@ -333,7 +344,7 @@ def test_a_trainer_that_died_while_no_guard_ran_is_flushed_at_the_successors_sta
 
 def test_a_successor_during_a_drain_flushes_each_death_once_and_no_live_trainer(stub: AgentServerStub,
                                                                                 short_dir: Path,
-                                                                                start_guard: Callable[..., Guard]
+                                                                                start_guard: StartGuard
                                                                                 ) -> None:
     ledger = short_dir / "ledger"
     env = {"AGENT_SERVER_URL": stub.url, "HARBOR_ADMIN_SECRET": SECRET}
@@ -368,7 +379,7 @@ def test_a_successor_during_a_drain_flushes_each_death_once_and_no_live_trainer(
 
 
 def test_an_update_during_a_drain_is_held_and_flushed(stub: AgentServerStub,
-                                                      start_guard: Callable[..., Guard]) -> None:
+                                                      start_guard: StartGuard) -> None:
     guard = start_guard("--drain", "20")
     trainer = Trainer(stub, f"""
         keeper = watchdog(args, guard={guard.socket!r}, until_idle=False)
@@ -389,11 +400,10 @@ def test_an_update_during_a_drain_is_held_and_flushed(stub: AgentServerStub,
 
 
 def _hwm_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as status:
-        return int(next(line.split()[1] for line in status if line.startswith("VmHWM:"))) / 1024
+    return proc_status(pid, "VmHWM") / 1024
 
 
-def test_large_states_stay_within_the_budget_and_delay_no_death(start_guard: Callable[..., Guard]) -> None:
+def test_large_states_stay_within_the_budget_and_delay_no_death(start_guard: StartGuard) -> None:
     budget = 128  # MiB: two 28 MiB states (each counted twice); 1.0.0 held all eight
     guard = start_guard("--max-held", str(budget))
     big = [state_line(a_state(ids=[f"big{n}-{i:06d}-" + "x" * 270 for i in range(100_000)], trainer=_token(n)))
@@ -442,7 +452,7 @@ def test_large_states_stay_within_the_budget_and_delay_no_death(start_guard: Cal
     assert _hwm_mib(guard.proc.pid) < budget + 160, _hwm_mib(guard.proc.pid)
 
 
-def test_garbage_peers_delay_no_death_and_cost_bounded_threads_and_lines(start_guard: Callable[..., Guard]) -> None:
+def test_garbage_peers_delay_no_death_and_cost_bounded_threads_and_lines(start_guard: StartGuard) -> None:
     guard = start_guard()
     stop = threading.Event()
     sent = Counter[str]()

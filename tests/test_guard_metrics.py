@@ -6,26 +6,23 @@ from __future__ import annotations
 import socket
 import subprocess
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from swe_flush_sync.testing import AgentServerStub
 
-from .conftest import PYTHON, SECRET, Guard, subprocess_env
-from .test_guard import guarded_trainer
-from .test_ledger import records, write_record
-from .test_watchdog import IDS, Trainer, wait_until
+from .conftest import PYTHON, SECRET, GuardProcess, StartGuard, subprocess_env, wait_until
+from .helpers import IDS, Trainer, guarded_trainer, records, write_record
 
 parser = pytest.importorskip("prometheus_client.parser")
 
 
-def metrics_url(guard: Guard) -> str:
+def metrics_url(guard: GuardProcess) -> str:
     return guard.lines[-1].rsplit("metrics on ", 1)[1]
 
 
-def scrape(guard: Guard) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def scrape(guard: GuardProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample the guard serves: (name, sorted labels) -> value."""
     with urllib.request.urlopen(metrics_url(guard), timeout=10) as answer:
         text = answer.read().decode()
@@ -37,7 +34,7 @@ def value(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: s
     return samples[(name, tuple(sorted(labels.items())))]
 
 
-def test_deaths_flushes_and_drops_are_counted(stub: AgentServerStub, start_guard: Callable[..., Guard]) -> None:
+def test_deaths_flushes_and_drops_are_counted(stub: AgentServerStub, start_guard: StartGuard) -> None:
     guard = start_guard("--metrics", "127.0.0.1:0")
     assert metrics_url(guard).startswith("http://127.0.0.1:")
     for instance_id in IDS:
@@ -67,7 +64,7 @@ def test_deaths_flushes_and_drops_are_counted(stub: AgentServerStub, start_guard
     assert value(samples, "process_resident_memory_bytes") > 0  # the standard process metrics come along
 
 
-def test_a_failing_flush_is_counted_and_pending(stub: AgentServerStub, start_guard: Callable[..., Guard]) -> None:
+def test_a_failing_flush_is_counted_and_pending(stub: AgentServerStub, start_guard: StartGuard) -> None:
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]  # nothing listens there once it is closed: the server is down
@@ -86,7 +83,7 @@ def test_a_failing_flush_is_counted_and_pending(stub: AgentServerStub, start_gua
     assert value(samples, "swe_flush_guard_flushes_total", outcome="ok") == 0
 
 
-def test_recovered_records_are_counted(stub: AgentServerStub, start_guard: Callable[..., Guard],
+def test_recovered_records_are_counted(stub: AgentServerStub, start_guard: StartGuard,
                                        short_dir: Path) -> None:
     ledger = short_dir / "ledger"
     ledger.mkdir(mode=0o700)

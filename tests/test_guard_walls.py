@@ -18,48 +18,43 @@ import textwrap
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from swe_flush_sync import recover
-from swe_flush_sync._watchdog_process import PROTOCOL, encode_state
 from swe_flush_sync.testing import AgentServerStub
 
-from .conftest import PYTHON, SECRET, Guard, gone, read_until, spawn, subprocess_env
-from .test_guard import guarded_trainer
-from .test_ledger import ENV, records
-from .test_ledger_trust import contained_trainer, namespace_init, needs_unshare
-from .test_watchdog import IDS, Trainer, wait_until
-
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a process of another uid)")
-OTHER_UID = 4242
-
-
-def state_line(state: dict[str, object], seq: int = 1) -> bytes:
-    return b'{"seq": %d, "v": %d, "state": %s}\n' % (seq, PROTOCOL, encode_state(state))
-
-
-def a_state(**changes: object) -> dict[str, object]:
-    state: dict[str, object] = {"urls": [], "ids": ["raw-a"], "tokens": None, "options": {"until_idle": False},
-                                "trainer": "0" * 32}
-    state.update(changes)
-    return state
-
-
-def answer(peer: socket.socket) -> bytes:
-    """What the guard says until it closes the connection (a reset counts as a close), or its ``held``."""
-    peer.settimeout(10)
-    said = b""
-    try:
-        while chunk := peer.recv(4096):
-            said += chunk
-            if said.startswith(b"held") and said.endswith(b"\n"):
-                break
-    except ConnectionResetError:  # it closed with our bytes unread
-        pass
-    return said
+from .conftest import (
+    PYTHON,
+    SECRET,
+    GuardProcess,
+    StartGuard,
+    gone,
+    proc_stat,
+    proc_status,
+    read_until,
+    spawn,
+    subprocess_env,
+    wait_until,
+)
+from .helpers import (
+    ENV,
+    IDS,
+    OTHER_UID,
+    Trainer,
+    a_state,
+    answer,
+    connect,
+    contained_trainer,
+    guarded_trainer,
+    impostor,
+    namespace_init,
+    needs_root,
+    needs_unshare,
+    records,
+    state_line,
+)
 
 
 def exchange(path: str, line: bytes) -> bytes:
@@ -70,48 +65,10 @@ def exchange(path: str, line: bytes) -> bytes:
         return answer(peer)
 
 
-def connect(path: str) -> socket.socket:
-    peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    peer.connect(path)
-    return peer
-
-
-def guard_pid_lines(guard: Guard) -> str:
+def guard_pid_lines(guard: GuardProcess) -> str:
     guard.proc.send_signal(signal.SIGTERM)
     assert guard.proc.wait(15) == 0
     return guard.stderr()
-
-
-# -- 1. no bearer to an impostor ---------------------------------------------------------------------
-IMPOSTOR = textwrap.dedent("""
-    import os, socket, sys
-    path = sys.argv[1]
-    os.setgid(4242)
-    os.setuid(4242)
-    if os.path.exists(path):
-        os.unlink(path)  # the folder lets this user: it takes the path while the guard restarts
-    listener = socket.socket(socket.AF_UNIX)
-    listener.bind(path)
-    listener.listen(8)
-    print("LISTENING", flush=True)
-    while True:
-        conn, _ = listener.accept()
-        got = 0
-        conn.settimeout(5)
-        try:
-            while chunk := conn.recv(65536):
-                got += len(chunk)
-        except OSError:
-            pass
-        conn.close()
-        print("CLOSED", got, flush=True)
-""")
-
-
-def impostor(path: str) -> subprocess.Popen[str]:
-    proc = spawn([PYTHON, "-c", IMPOSTOR, path], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert read_until(proc, lambda line: line == "LISTENING", []) is not None
-    return proc
 
 
 def open_folder(short_dir: Path) -> Path:
@@ -124,7 +81,7 @@ def open_folder(short_dir: Path) -> Path:
 
 
 @needs_root
-def test_1_arming_against_a_socket_of_another_uid_sends_nothing(stub: AgentServerStub, short_dir: Path) -> None:
+def test_arming_against_a_socket_of_another_uid_sends_nothing(stub: AgentServerStub, short_dir: Path) -> None:
     path = str(open_folder(short_dir) / "guard.sock")
     listener = impostor(path)
     trainer = Trainer(stub, f"""
@@ -141,8 +98,8 @@ def test_1_arming_against_a_socket_of_another_uid_sends_nothing(stub: AgentServe
 
 
 @needs_root
-def test_1_a_path_taken_while_the_guard_restarts_gets_nothing(stub: AgentServerStub, short_dir: Path,
-                                                              start_guard: Callable[..., Guard]) -> None:
+def test_a_path_taken_while_the_guard_restarts_gets_nothing(stub: AgentServerStub, short_dir: Path,
+                                                              start_guard: StartGuard) -> None:
     path = str(open_folder(short_dir) / "guard.sock")
     guard = start_guard(path=path)
     trainer = Trainer(stub, stdin=True, body=f"""
@@ -172,7 +129,7 @@ def test_1_a_path_taken_while_the_guard_restarts_gets_nothing(stub: AgentServerS
 
 
 @needs_root
-def test_1_a_folder_of_another_uid_is_refused(short_dir: Path) -> None:
+def test_a_folder_of_another_uid_is_refused(short_dir: Path) -> None:
     short_dir.chmod(0o755)
     folder = short_dir / "theirs"
     folder.mkdir(mode=0o700)
@@ -184,7 +141,7 @@ def test_1_a_folder_of_another_uid_is_refused(short_dir: Path) -> None:
 
 
 @needs_root
-def test_11_a_non_root_guard_that_cannot_remove_a_stale_socket_says_so(short_dir: Path) -> None:
+def test_a_non_root_guard_that_cannot_remove_a_stale_socket_says_so(short_dir: Path) -> None:
     short_dir.chmod(0o755)
     folder = short_dir / "tmp"
     folder.mkdir()
@@ -204,8 +161,8 @@ def test_11_a_non_root_guard_that_cannot_remove_a_stale_socket_says_so(short_dir
 
 
 # -- 2. nothing a peer sends stops the guard -----------------------------------------------------------
-def test_2_nested_json_and_bad_fields_end_only_their_connection(stub: AgentServerStub, short_dir: Path,
-                                                                start_guard: Callable[..., Guard]) -> None:
+def test_nested_json_and_bad_fields_end_only_their_connection(stub: AgentServerStub, short_dir: Path,
+                                                                start_guard: StartGuard) -> None:
     ledger = short_dir / "ledger"
     guard = start_guard("--ledger", str(ledger), "--heartbeat", "10")
     trainer = guarded_trainer(stub, guard)
@@ -234,8 +191,8 @@ def test_2_nested_json_and_bad_fields_end_only_their_connection(stub: AgentServe
     assert f"{len(hostile) - 1} more 'dropped connection' line(s) held back" in err  # ... and the rest counted
 
 
-def test_2_a_records_heartbeat_is_the_guards(stub: AgentServerStub, short_dir: Path,
-                                           start_guard: Callable[..., Guard]) -> None:
+def test_a_records_heartbeat_is_the_guards(stub: AgentServerStub, short_dir: Path,
+                                           start_guard: StartGuard) -> None:
     ledger = short_dir / "ledger"
     guard = start_guard("--ledger", str(ledger), "--heartbeat", "5")
     with connect(guard.socket) as peer:
@@ -251,8 +208,8 @@ def test_2_a_records_heartbeat_is_the_guards(stub: AgentServerStub, short_dir: P
         peer.sendall(b'{"disarm": true}\n')
 
 
-def test_9_option_keys_the_guard_does_not_know_are_dropped_and_the_flush_goes_on(
-        stub: AgentServerStub, start_guard: Callable[..., Guard]) -> None:
+def test_option_keys_the_guard_does_not_know_are_dropped_and_the_flush_goes_on(
+        stub: AgentServerStub, start_guard: StartGuard) -> None:
     guard = start_guard()
     with connect(guard.socket) as peer:
         state = a_state(urls=[stub.url], ids=["new-a", "new-b"], tokens={"new-a": SECRET, "new-b": SECRET},
@@ -265,8 +222,8 @@ def test_9_option_keys_the_guard_does_not_know_are_dropped_and_the_flush_goes_on
     assert err.count("does not know") == 1 and "a_newer_option, another" in err
 
 
-def test_9_a_trainer_older_than_its_guard_is_still_served(stub: AgentServerStub,
-                                                         start_guard: Callable[..., Guard]) -> None:
+def test_a_trainer_older_than_its_guard_is_still_served(stub: AgentServerStub,
+                                                         start_guard: StartGuard) -> None:
     guard = start_guard()
     old_state = {"urls": [stub.url], "ids": ["old-a"], "tokens": {"old-a": SECRET}, "heartbeat": 10.0,
                  "options": {"until_idle": False}, "sys_path": [], "ledger": None}  # as 0.5.0 sent it
@@ -299,7 +256,7 @@ OLD_GUARD = textwrap.dedent("""
 """)
 
 
-def test_9_a_trainer_newer_than_its_guard_is_told_at_arming(stub: AgentServerStub, short_dir: Path) -> None:
+def test_a_trainer_newer_than_its_guard_is_told_at_arming(stub: AgentServerStub, short_dir: Path) -> None:
     path = str(short_dir / "old.sock")
     old = spawn([PYTHON, "-c", OLD_GUARD, path], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert read_until(old, lambda line: line == "LISTENING", []) is not None
@@ -317,7 +274,7 @@ def test_9_a_trainer_newer_than_its_guard_is_told_at_arming(stub: AgentServerStu
 
 # -- 3. records per trainer; restarts never cancel a live trainer --------------------------------------
 @needs_unshare
-def test_3_trainers_in_sibling_pid_namespaces_each_keep_a_record(stub: AgentServerStub, short_dir: Path) -> None:
+def test_trainers_in_sibling_pid_namespaces_each_keep_a_record(stub: AgentServerStub, short_dir: Path) -> None:
     ledger = short_dir / "ledger"
     path = str(short_dir / "guard.sock")
     guard = spawn(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", PYTHON, "-m", "swe_flush_sync",
@@ -351,8 +308,8 @@ def test_3_trainers_in_sibling_pid_namespaces_each_keep_a_record(stub: AgentServ
     assert records(ledger) == []
 
 
-def test_3_a_guard_restart_takes_over_live_trainers_and_flushes_the_dead(stub: AgentServerStub, short_dir: Path,
-                                                                       start_guard: Callable[..., Guard]) -> None:
+def test_a_guard_restart_takes_over_live_trainers_and_flushes_the_dead(stub: AgentServerStub, short_dir: Path,
+                                                                       start_guard: StartGuard) -> None:
     ledger = short_dir / "ledger"
     env = {"AGENT_SERVER_URL": stub.url, "HARBOR_ADMIN_SECRET": SECRET}
     grace = 1.0  # (5 s by default)
@@ -396,8 +353,8 @@ def test_3_a_guard_restart_takes_over_live_trainers_and_flushes_the_dead(stub: A
 
 
 # -- 4. a flush that failed is retried -----------------------------------------------------------------
-def test_4_a_server_down_at_the_death_is_flushed_once_it_is_back(short_dir: Path,
-                                                                 start_guard: Callable[..., Guard]) -> None:
+def test_a_server_down_at_the_death_is_flushed_once_it_is_back(short_dir: Path,
+                                                                 start_guard: StartGuard) -> None:
     first = AgentServerStub(secret=SECRET).start()
     port = int(first.url.rsplit(":", 1)[1])
     ledger = short_dir / "ledger"
@@ -435,14 +392,14 @@ IDLE_PEERS = textwrap.dedent("""
 """)
 
 
-def test_5_a_full_fd_table_loses_no_flush(stub: AgentServerStub, short_dir: Path) -> None:
+def test_a_full_fd_table_loses_no_flush(stub: AgentServerStub, short_dir: Path) -> None:
     path = str(short_dir / "guard.sock")
     limit = "import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024)); "
     guard_proc = spawn([PYTHON, "-c", limit + "import sys; from swe_flush_sync._cli import main; "
                         "sys.exit(main(sys.argv[1:]))", "guard", "--socket", path], stdout=subprocess.PIPE,
                        stderr=subprocess.PIPE, env=subprocess_env(), start_new_session=True)
     assert read_until(guard_proc, lambda line: line.startswith("guarding"), []) is not None
-    guard = Guard(guard_proc, path, [])
+    guard = GuardProcess(guard_proc, path, [])
     before = guarded_trainer(stub, guard)
     before.read("ARMED")
     flood = spawn([PYTHON, "-c", IDLE_PEERS, path, "1100"], stdout=subprocess.PIPE, stdin=subprocess.PIPE,
@@ -471,20 +428,15 @@ def test_5_a_full_fd_table_loses_no_flush(stub: AgentServerStub, short_dir: Path
 
 
 def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat", "rb") as handle:
-        fields = handle.read().rpartition(b")")[2].split()
+    fields = proc_stat(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _peak_rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as handle:
-        for line in handle:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmHWM")
+    return proc_status(pid, "VmHWM") / 1024
 
 
-def test_6_long_lines_from_many_peers_are_bounded(stub: AgentServerStub, start_guard: Callable[..., Guard]) -> None:
+def test_long_lines_from_many_peers_are_bounded(stub: AgentServerStub, start_guard: StartGuard) -> None:
     guard = start_guard()
     trainer = guarded_trainer(stub, guard)
     trainer.read("ARMED")
@@ -515,7 +467,7 @@ def test_6_long_lines_from_many_peers_are_bounded(stub: AgentServerStub, start_g
 
 
 @pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace (apt-get install strace)")
-def test_7_a_slow_ledger_delays_no_other_flush(stub: AgentServerStub, short_dir: Path) -> None:
+def test_a_slow_ledger_delays_no_other_flush(stub: AgentServerStub, short_dir: Path) -> None:
     ledger = short_dir / "ledger"
     path = str(short_dir / "guard.sock")
     traced = spawn(["strace", "-f", "--seccomp-bpf", "-qq", "-o", "/dev/null", "-e", "trace=fsync",
@@ -526,7 +478,7 @@ def test_7_a_slow_ledger_delays_no_other_flush(stub: AgentServerStub, short_dir:
     assert line is not None
     guard_pid = int(line.rsplit(" ", 1)[1].rstrip(")"))
     try:
-        guard = Guard(traced, path, [])
+        guard = GuardProcess(traced, path, [])
         slow = guarded_trainer(stub, guard)  # its record's fsyncs take 2 s each
         slow.read("ARMED")
         other = Trainer(stub, f"""
@@ -585,7 +537,7 @@ RACE = textwrap.dedent("""
 """)
 
 
-def test_8_two_guards_raced_over_a_stale_socket_exactly_one_serves(short_dir: Path) -> None:
+def test_two_guards_raced_over_a_stale_socket_exactly_one_serves(short_dir: Path) -> None:
     out = subprocess.run([PYTHON, "-c", RACE, str(short_dir / "race.sock"), "40"], capture_output=True, text=True,
                          env=subprocess_env(), timeout=120)
     assert out.returncode == 0, out.stderr
@@ -593,7 +545,7 @@ def test_8_two_guards_raced_over_a_stale_socket_exactly_one_serves(short_dir: Pa
     assert len(served) == 40 and set(served) == {"1"}, out.stdout
 
 
-def test_8_a_guard_removes_only_its_own_socket(start_guard: Callable[..., Guard]) -> None:
+def test_a_guard_removes_only_its_own_socket(start_guard: StartGuard) -> None:
     guard = start_guard()
     os.unlink(guard.socket)  # someone put another socket at the path
     other = socket.socket(socket.AF_UNIX)
@@ -606,7 +558,7 @@ def test_8_a_guard_removes_only_its_own_socket(start_guard: Callable[..., Guard]
         other.close()
 
 
-def test_8_a_busy_guard_keeps_its_path(start_guard: Callable[..., Guard]) -> None:
+def test_a_busy_guard_keeps_its_path(start_guard: StartGuard) -> None:
     guard = start_guard()
     os.kill(guard.proc.pid, signal.SIGSTOP)  # it answers no status probe now
     try:
@@ -640,6 +592,5 @@ def test_a_stopped_local_watchdog_costs_abort_no_waiting(stub: AgentServerStub) 
 
 
 def _state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat", "rb") as handle:
-        return handle.read().rpartition(b")")[2].split()[0].decode()
+    return proc_stat(pid)[0].decode()
 

@@ -6,7 +6,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections import Counter
@@ -19,33 +18,8 @@ from swe_flush_sync import ConfigError, ScopedBearer, recover, watchdog
 from swe_flush_sync import _watchdog as watchdog_module
 from swe_flush_sync.testing import AgentServerStub
 
-from .conftest import PYTHON, SECRET, spawn, subprocess_env
-from .test_watchdog import IDS, Trainer, _watchdog_pids, gone, wait_until
-
-ENV = {"HARBOR_ADMIN_SECRET": SECRET}
-
-
-def records(folder: Path) -> list[Path]:
-    return sorted(path for path in folder.iterdir() if path.name.endswith(".json"))
-
-
-def write_record(folder: Path, name: str, ids: list[object], url: str, *, host: str = "elsewhere",
-                 heartbeat_age: float = 3600.0, pid: int = 1, start_time: int | None = 1, **more: object) -> Path:
-    """A record as a watchdog on another machine would have left it (written here by hand); ``more``
-    adds or replaces fields (``boot_id``, ``pid_ns``, ``watchdog_pid``, ...)."""
-    path = folder / f"{name}.json"
-    path.write_text(json.dumps({
-        "version": 1, "urls": [url], "ids": ids, "host": host, "pid": pid, "start_time": start_time,
-        "boot_id": "another-boot", "heartbeat": time.time() - heartbeat_age, "heartbeat_interval": 10.0, **more}))
-    path.chmod(0o600)
-    return path
-
-
-def here() -> dict[str, object]:
-    """The record fields that place a process in this host, boot and PID namespace."""
-    with open("/proc/sys/kernel/random/boot_id") as handle:
-        boot = handle.read().strip()
-    return {"host": socket.gethostname(), "boot_id": boot, "pid_ns": os.stat("/proc/self/ns/pid").st_ino}
+from .conftest import PYTHON, SECRET, _watchdog_pids, gone, proc_stat, spawn, subprocess_env, wait_until
+from .helpers import ENV, IDS, Trainer, here, records, write_record
 
 
 def test_a_lost_pod_is_recovered_once(stub: AgentServerStub, tmp_path: Path) -> None:
@@ -127,8 +101,7 @@ def test_a_dead_pid_on_this_host_is_gone(stub: AgentServerStub, tmp_path: Path) 
 
 
 def _start_time(pid: int) -> int:
-    with open(f"/proc/{pid}/stat", "rb") as handle:
-        return int(handle.read().rpartition(b")")[2].split()[19])
+    return int(proc_stat(pid)[19])
 
 
 def test_a_failed_watchdog_flush_keeps_the_record(stub_factory: Callable[..., AgentServerStub],

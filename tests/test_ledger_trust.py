@@ -9,7 +9,6 @@ import os
 import shutil
 import signal
 import subprocess
-import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -18,9 +17,17 @@ import pytest
 from swe_flush_sync import ConfigError, recover, watchdog
 from swe_flush_sync.testing import AgentServerStub
 
-from .conftest import PYTHON, SECRET, spawn, subprocess_env
-from .test_ledger import ENV, records, write_record
-from .test_watchdog import IDS, PRELUDE, Trainer, _watchdog_pids, gone, wait_until
+from .conftest import PYTHON, SECRET, _watchdog_pids, gone, proc_stat, subprocess_env, wait_until
+from .helpers import (
+    ENV,
+    IDS,
+    Trainer,
+    contained_trainer,
+    namespace_init,
+    needs_unshare,
+    records,
+    write_record,
+)
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (chown to another uid)")
 
@@ -141,41 +148,6 @@ def test_watchdog_refuses_a_ledger_others_may_write(stub: AgentServerStub, tmp_p
     assert oct(kept.stat().st_mode & 0o777) == "0o750"
 
 
-def _unshare_works() -> bool:
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        return False
-    try:
-        return subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True,
-                              timeout=10).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
-needs_unshare = pytest.mark.skipif(not _unshare_works(), reason="needs root and unshare --pid (a container)")
-
-
-def namespace_init(unshare: subprocess.Popen[str], timeout: float = 10) -> int:
-    """The host pid of the process ``unshare --fork`` started: PID 1 of the new namespace."""
-    children = f"/proc/{unshare.pid}/task/{unshare.pid}/children"
-    found: list[int] = []
-
-    def read() -> bool:
-        with open(children) as handle:
-            found[:] = [int(pid) for pid in handle.read().split()]
-        return bool(found)
-
-    assert wait_until(read, timeout), "unshare started no child"
-    return found[0]
-
-
-def contained_trainer(stub: AgentServerStub, body: str, **env_vars: str) -> subprocess.Popen[str]:
-    """A trainer as PID 1 of its own PID namespace (a container's main process)."""
-    env = subprocess_env(AGENT_SERVER_URL=stub.url, HARBOR_ADMIN_SECRET=SECRET, **env_vars)
-    return spawn(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", PYTHON, "-c",
-                  PRELUDE + textwrap.dedent(body)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                 start_new_session=True)
-
-
 @needs_unshare
 def test_a_live_trainer_in_another_pid_namespace_is_left_alone(stub: AgentServerStub, tmp_path: Path) -> None:
     for instance_id in IDS:
@@ -212,8 +184,7 @@ def test_a_trainer_killed_but_not_reaped_is_gone(stub: AgentServerStub, tmp_path
     os.kill(trainer.proc.pid, signal.SIGKILL)  # and nobody reaps it (its Popen is not polled)
 
     def zombie() -> bool:
-        with open(f"/proc/{trainer.proc.pid}/stat", "rb") as handle:
-            return handle.read().rpartition(b")")[2].split()[0] == b"Z"
+        return proc_stat(trainer.proc.pid)[0] == b"Z"
 
     assert wait_until(zombie, 2.0)
     report = recover(str(tmp_path), servers=stub.url, environ=ENV, until_idle=False)

@@ -10,8 +10,7 @@ import pytest
 
 from swe_flush_sync.testing import AgentServerStub
 
-from .conftest import PYTHON, SECRET, spawn, subprocess_env
-from .test_watchdog import _watchdog_pids, gone, wait_until
+from .conftest import PYTHON, SECRET, _watchdog_pids, gone, spawn, subprocess_env, wait_until
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="Ray is not installed "
                                 "(pip install '.[ray]')")

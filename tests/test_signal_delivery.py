@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 import signal
 import time
-from collections.abc import Callable
 
 from swe_flush_sync.testing import AgentServerStub
 
-from .conftest import Guard, blocked_in
-from .test_watchdog import Trainer, wait_until
+from .conftest import StartGuard, blocked_in, wait_until
+from .helpers import Trainer
 
 MASKS = """
 import json, threading
@@ -30,7 +29,7 @@ keeper.disarm()
 """
 
 
-def test_library_threads_block_the_trainers_signals(stub: AgentServerStub, start_guard: Callable[..., Guard]) -> None:
+def test_library_threads_block_the_trainers_signals(stub: AgentServerStub, start_guard: StartGuard) -> None:
     guard = start_guard()
     trainer = Trainer(stub, MASKS.format(path=guard.socket))
     masks = json.loads(" ".join(trainer.read("MASKS")[1:]))

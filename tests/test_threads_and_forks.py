@@ -14,7 +14,7 @@ import socket
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,8 +24,8 @@ from swe_flush_sync import _watchdog as watchdog_module
 from swe_flush_sync._watchdog_process import HELD, PROTOCOL
 from swe_flush_sync.testing import AgentServerStub
 
-from .conftest import SECRET, Guard, blocked_in
-from .test_watchdog import Trainer, wait_until
+from .conftest import SECRET, StartGuard, blocked_in, wait_until
+from .helpers import Trainer
 
 FINAL_IDS = ["final-a", "final-b", "final-c"]
 HAMMER = """
@@ -96,7 +96,7 @@ def test_aborts_from_many_threads_always_send_their_ids_local_watchdog(stub: Age
 
 @pytest.mark.parametrize("threads", [4, 8])
 def test_aborts_from_many_threads_through_a_guard_then_a_restart(stub: AgentServerStub,
-                                                                 start_guard: Callable[..., Guard],
+                                                                 start_guard: StartGuard,
                                                                  threads: int) -> None:
     first = start_guard()
     trainer = _hammer(stub, f"watchdog(args, guard={first.socket!r}, until_idle=False)", threads, WAIT_FOR_NEW_GUARD)
@@ -256,7 +256,7 @@ time.sleep(60)
 
 
 def test_a_step_through_the_guard_never_waits_out_a_missed_word(stub: AgentServerStub,
-                                                                 start_guard: Callable[..., Guard]) -> None:
+                                                                 start_guard: StartGuard) -> None:
     guard = start_guard()
     trainer = Trainer(stub, "import json\n" + STEPS.format(path=guard.socket, steps=300))
     durations = json.loads(" ".join(trainer.read("STEPS", timeout=120)[1:]))

@@ -22,6 +22,7 @@ from swe_flush_sync.testing import AgentServerStub
 
 from .conftest import PYTHON, wait_threads_gone
 from .faults.peers import RawPeer
+from .helpers import Trainer
 
 trustme = pytest.importorskip("trustme")
 
@@ -290,7 +291,7 @@ def test_tls_failure_classifies_only_final_failures() -> None:
 
 def test_a_watchdog_flushes_over_tls_with_its_trainers_certificates(tls_stub: Callable[..., AgentServerStub],
                                                                     certs: Certificates) -> None:
-    from .test_watchdog import Trainer, gone, wait_until
+    from .conftest import gone, wait_until
 
     server = tls_stub(require_client=True)
     ca = os.path.relpath(certs.ca_file)  # relative to the trainer's directory: the watchdog runs in /

@@ -9,8 +9,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import subprocess
-import textwrap
 import time
 import warnings
 from collections import Counter
@@ -19,62 +17,11 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from swe_flush_sync import ConfigError, Watchdog, watchdog
+from swe_flush_sync._watchdog_process import process_stat
 from swe_flush_sync.testing import AgentServerStub
 
-from .conftest import PYTHON, SECRET, _watchdog_pids, blocked_in, gone, read_until, spawn, subprocess_env, wait_until
-
-IDS = ("wd-a", "wd-b", "wd-c")
-PRELUDE = """
-import argparse, os, resource, signal, sys, time
-from swe_flush_sync import abort, flush_at_exit, flush_on_signal, watchdog
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a real crash below, but no core file
-args = argparse.Namespace(session_server_instance_ids={8000: "wd-a", 8001: "wd-b"},
-                          session_server_instance_id="wd-c")
-def armed(guard):
-    print("ARMED", guard.pid, flush=True)
-"""
-
-class Trainer:
-    """A child trainer running ``PRELUDE + body`` in its own session, against ``stub``."""
-
-    def __init__(self, stub: AgentServerStub, body: str, *, stdin: bool = False, **env: str) -> None:
-        environ = subprocess_env(**{"AGENT_SERVER_URL": stub.url, "HARBOR_ADMIN_SECRET": SECRET, **env})
-        self.proc = spawn([PYTHON, "-c", PRELUDE + textwrap.dedent(body)], stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, env=environ, start_new_session=True,
-                          stdin=subprocess.PIPE if stdin else None)
-        self.watchdog_pid = 0
-        self.lines: list[str] = []
-
-    def read(self, word: str, timeout: float = 20) -> list[str]:
-        """The words of the first stdout line starting with ``word``."""
-        line = read_until(self.proc, lambda text: text.startswith(word), self.lines, timeout)
-        if line is not None:
-            return line.split()
-        self.proc.kill()
-        raise AssertionError(f"the trainer never printed {word}: {self.lines}")
-
-    def armed(self) -> int:
-        self.watchdog_pid = int(self.read("ARMED")[1])
-        _watchdog_pids.append(self.watchdog_pid)
-        return self.watchdog_pid
-
-    def go_on(self, line: str = "") -> None:
-        """One line to the trainer's stdin (``stdin=True``): a trainer waiting in ``sys.stdin.readline()`` goes on."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-
-    def death(self, timeout: float = 20) -> float:
-        """When the trainer was seen to have ended (polled every few ms)."""
-        assert wait_until(lambda: self.proc.poll() is not None, timeout), "the trainer did not end"
-        return time.monotonic()
-
-    def stderr_after_watchdog(self, timeout: float) -> str:
-        """The trainer's stderr, read once the watchdog (which inherited it) is gone."""
-        assert wait_until(lambda: gone(self.watchdog_pid), timeout), "the watchdog outlived its bound"
-        assert self.proc.stderr is not None
-        return self.proc.stderr.read()
-
+from .conftest import SECRET, _watchdog_pids, blocked_in, gone, proc_stat, proc_status, wait_until
+from .helpers import IDS, Trainer
 
 DEATHS = {
     "sigkill": "time.sleep(60)",
@@ -133,8 +80,7 @@ def test_watchdog_survives_signals_and_waits_without_cpu(stub: AgentServerStub) 
     took = float(trainer.read("TOOK")[1])
     pid = trainer.armed()
     assert took < 2.0  # the issue asks 0.5 s: measured in benchmarks/, here only a bound with a margin
-    with open(f"/proc/{pid}/stat", "rb") as handle:
-        fields = handle.read().rpartition(b")")[2].split()
+    fields = proc_stat(pid)
     parent, group, session = int(fields[1]), int(fields[2]), int(fields[3])
     # double-forked into a session of its own: not the trainer's child, not in its group or session
     assert parent != trainer.proc.pid and group != trainer.proc.pid and session != os.getsid(trainer.proc.pid)
@@ -164,24 +110,19 @@ def _children_of(pid: int) -> list[int]:
     children = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as handle:
-                    if int(handle.read().rpartition(b")")[2].split()[1]) == pid:
-                        children.append(int(entry))
-            except (FileNotFoundError, ProcessLookupError):
-                continue
+            fields = process_stat(int(entry))
+            if fields is not None and int(fields[1]) == pid:
+                children.append(int(entry))
     return children
 
 
 def _cpu_ticks(pid: int) -> int:
-    with open(f"/proc/{pid}/stat", "rb") as handle:
-        fields = handle.read().rpartition(b")")[2].split()
+    fields = proc_stat(pid)
     return int(fields[11]) + int(fields[12])  # utime + stime
 
 
 def _rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as handle:
-        return next(int(line.split()[1]) for line in handle if line.startswith("VmRSS:"))
+    return proc_status(pid, "VmRSS")
 
 
 def test_disarm_then_sigkill_flushes_nothing(stub: AgentServerStub) -> None:

@@ -20,21 +20,16 @@ import pytest
 
 from swe_flush_sync import Watchdog, abort, recover, watchdog
 from swe_flush_sync import _watchdog as watchdog_module
+from swe_flush_sync._watchdog_process import process_stopped as stopped
 from swe_flush_sync.testing import AgentServerStub
 
-from .conftest import PYTHON, SECRET, blocked_in, spawn, subprocess_env
-from .test_ledger import ENV, records
-from .test_watchdog import IDS, PRELUDE, Trainer, _watchdog_pids, gone, wait_until
+from .conftest import PYTHON, SECRET, _watchdog_pids, blocked_in, gone, spawn, subprocess_env, wait_until
+from .helpers import ENV, IDS, PRELUDE, Trainer, records
 
 BIG = "{n: f'big-{n:05d}-' + 'x' * 70 for n in range(2000)}"  # ~170 KB a state: more than a pipe holds
 
 
-def stopped(pid: int) -> bool:
-    with open(f"/proc/{pid}/stat", "rb") as handle:
-        return handle.read().rpartition(b")")[2].split()[0] == b"T"
-
-
-def test_1_sigterm_hook_never_waits_on_a_thread_stuck_in_user_code(stub: AgentServerStub) -> None:
+def test_sigterm_hook_never_waits_on_a_thread_stuck_in_user_code(stub: AgentServerStub) -> None:
     """A thread's abort() is stuck in its bearer provider (it logs; the main thread, interrupted
     inside a logging handler, holds the handler's lock). The SIGTERM hook must still end the process."""
     trainer = Trainer(stub, """
@@ -74,7 +69,7 @@ def test_1_sigterm_hook_never_waits_on_a_thread_stuck_in_user_code(stub: AgentSe
     assert trainer.proc.returncode == -signal.SIGTERM
 
 
-def test_2_part_of_a_state_reaches_the_watchdog_after_a_stop(stub: AgentServerStub) -> None:
+def test_part_of_a_state_reaches_the_watchdog_after_a_stop(stub: AgentServerStub) -> None:
     trainer = Trainer(stub, stdin=True, body=f"""
         guard = watchdog(args, until_idle=False, deadline=20)
         armed(guard)
@@ -107,7 +102,7 @@ def test_2_part_of_a_state_reaches_the_watchdog_after_a_stop(stub: AgentServerSt
 
 @pytest.mark.parametrize("then", ["SIGKILL", "a normal exit"])
 @pytest.mark.parametrize("previous", ["a graceful-stop handler", "SIG_IGN"])
-def test_3_a_sigterm_the_trainer_survives_keeps_the_watchdog_armed(stub: AgentServerStub, previous: str,
+def test_a_sigterm_the_trainer_survives_keeps_the_watchdog_armed(stub: AgentServerStub, previous: str,
                                                                   then: str) -> None:
     handler = "lambda signum, frame: print('GRACEFUL', flush=True)" if previous != "SIG_IGN" else "signal.SIG_IGN"
     for instance_id in IDS:
@@ -147,7 +142,7 @@ def test_3_a_sigterm_the_trainer_survives_keeps_the_watchdog_armed(stub: AgentSe
         assert Counter(stub.flushed_ids()) == dict.fromkeys(IDS, 1)
 
 
-def test_4_recover_never_races_a_live_watchdog(stub_factory: Callable[..., AgentServerStub], tmp_path: Path) -> None:
+def test_recover_never_races_a_live_watchdog(stub_factory: Callable[..., AgentServerStub], tmp_path: Path) -> None:
     server = stub_factory(secret=SECRET, teardown=1.0)
     for instance_id in IDS:
         server.add_trials(instance_id, 1)
@@ -169,7 +164,7 @@ def test_4_recover_never_races_a_live_watchdog(stub_factory: Callable[..., Agent
     assert set(per_id) == set(IDS) and all(count == 2 for count in per_id.values())  # the watchdog's two passes
 
 
-def test_5_a_full_stderr_pipe_never_keeps_the_watchdog(stub: AgentServerStub, tmp_path: Path) -> None:
+def test_a_full_stderr_pipe_never_keeps_the_watchdog(stub: AgentServerStub, tmp_path: Path) -> None:
     trainer = Trainer(stub, f"""
         armed(watchdog(args, ledger={str(tmp_path)!r}, deadline=2, until_idle=False))
         fd = os.open(f"/proc/self/fd/2", os.O_WRONLY | os.O_NONBLOCK)  # the same pipe, our own file
@@ -207,7 +202,7 @@ def in_process() -> Iterator[Callable[..., Watchdog]]:
         _watchdog_pids.append(guard.pid)
 
 
-def test_6_a_record_that_cannot_be_written_is_said(in_process: Callable[..., Watchdog], stub: AgentServerStub,
+def test_a_record_that_cannot_be_written_is_said(in_process: Callable[..., Watchdog], stub: AgentServerStub,
                                                    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                    caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(watchdog_module, "DEFAULT_HEARTBEAT", 0.2)
@@ -228,7 +223,7 @@ def test_6_a_record_that_cannot_be_written_is_said(in_process: Callable[..., Wat
     assert stub.requests == []
 
 
-def test_7_a_fork_during_arming_never_hides_the_death(stub: AgentServerStub) -> None:
+def test_a_fork_during_arming_never_hides_the_death(stub: AgentServerStub) -> None:
     trainer = Trainer(stub, """
         import threading
         children, arming = [], threading.Event()
@@ -265,7 +260,7 @@ def test_7_a_fork_during_arming_never_hides_the_death(stub: AgentServerStub) -> 
                 os.kill(child, signal.SIGKILL)
 
 
-def test_8_descriptors_closed_and_reused_are_never_ours(stub: AgentServerStub, tmp_path: Path) -> None:
+def test_descriptors_closed_and_reused_are_never_ours(stub: AgentServerStub, tmp_path: Path) -> None:
     log_file = tmp_path / "app.log"
     trainer = Trainer(stub, f"""
         guard = watchdog(args, until_idle=False)
@@ -293,7 +288,7 @@ def test_8_descriptors_closed_and_reused_are_never_ours(stub: AgentServerStub, t
     assert SECRET not in text
 
 
-def test_9_big_records_and_long_ids_are_recovered(stub: AgentServerStub, tmp_path: Path) -> None:
+def test_big_records_and_long_ids_are_recovered(stub: AgentServerStub, tmp_path: Path) -> None:
     trainer = Trainer(stub, f"""
         args.session_server_instance_ids = {{n: f"long-{{n:04d}}-" + "y" * 480 for n in range(2500)}}
         args.session_server_instance_id = "z" * 2000
@@ -314,7 +309,7 @@ def test_9_big_records_and_long_ids_are_recovered(stub: AgentServerStub, tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
-def test_10_a_stopped_watchdog_costs_one_state_and_no_waiting(stub: AgentServerStub) -> None:
+def test_a_stopped_watchdog_costs_one_state_and_no_waiting(stub: AgentServerStub) -> None:
     trainer = Trainer(stub, stdin=True, body="""
         import tracemalloc
         guard = watchdog(args, until_idle=False, deadline=20)
@@ -354,7 +349,7 @@ def test_10_a_stopped_watchdog_costs_one_state_and_no_waiting(stub: AgentServerS
     assert len(flushed) == 2001 and all(instance_id.startswith(("s59-", "wd-c")) for instance_id in flushed)
 
 
-def test_12_arming_with_stdio_closed(stub: AgentServerStub, tmp_path: Path) -> None:
+def test_arming_with_stdio_closed(stub: AgentServerStub, tmp_path: Path) -> None:
     out = tmp_path / "out.txt"
     script = PRELUDE + textwrap.dedent(f"""
         with open({str(out)!r}, "w") as note:
@@ -378,7 +373,7 @@ def test_12_arming_with_stdio_closed(stub: AgentServerStub, tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize("delay", [0.0, 0.005, 0.01, 0.015, 0.02, 0.03])
-def test_13_sigterm_during_arming_flushes_each_pair_once(stub: AgentServerStub, delay: float) -> None:
+def test_sigterm_during_arming_flushes_each_pair_once(stub: AgentServerStub, delay: float) -> None:
     trainer = Trainer(stub, """
         flush_on_signal(args, until_idle=False)
         print("ARMING", flush=True)
