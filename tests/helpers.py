@@ -221,3 +221,11 @@ def impostor(path: str) -> subprocess.Popen[str]:
     proc = spawn([PYTHON, "-c", IMPOSTOR, path], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert read_until(proc, lambda line: line == "LISTENING", []) is not None
     return proc
+
+
+def env_for(*stubs: AgentServerStub, secret: str | None = SECRET) -> dict[str, str]:
+    """The environment naming ``stubs`` as the agent servers, with the admin secret unless None."""
+    env = {"AGENT_SERVER_URL": ",".join(s.url for s in stubs)}
+    if secret:
+        env["HARBOR_ADMIN_SECRET"] = secret
+    return env

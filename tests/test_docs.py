@@ -16,13 +16,10 @@ import inspect
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
-import tempfile
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -70,13 +67,6 @@ EXAMPLES = examples()
 def test_there_are_examples_and_few_excerpts() -> None:
     assert len(EXAMPLES) >= 15
     assert sum(why is not None for _, _, why in EXAMPLES) <= 2
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    folder = Path(tempfile.mkdtemp(prefix="sfd-", dir="/tmp"))
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.mark.parametrize(("name", "code", "excerpt"), EXAMPLES, ids=[name for name, _, _ in EXAMPLES])

@@ -16,13 +16,7 @@ from swe_flush_sync import Flusher, FlushFailed, abort, flush
 from swe_flush_sync.testing import AgentServerStub
 
 from .conftest import PYTHON, SECRET, ours, subprocess_env, wait_no_library_threads, wait_threads_gone
-
-
-def env_for(*stubs: AgentServerStub, secret: str | None = SECRET) -> dict[str, str]:
-    env = {"AGENT_SERVER_URL": ",".join(s.url for s in stubs)}
-    if secret:
-        env["HARBOR_ADMIN_SECRET"] = secret
-    return env
+from .helpers import env_for
 
 
 def test_abort_flushes_plural_and_singular_once_with_bearer(stub: AgentServerStub) -> None:

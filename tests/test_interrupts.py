@@ -1,4 +1,5 @@
-"""Core v2: single flight, Ctrl-C, exit, fork, logging locks, fairness, retries that fit, typed options."""
+"""Real processes: Ctrl-C, exit, fork and signals under logging locks, and the transport's own
+adapter."""
 
 from __future__ import annotations
 
@@ -10,119 +11,11 @@ from collections import Counter
 
 import pytest
 
-from swe_flush_sync import ConfigError, Flusher, abort, flush
+from swe_flush_sync import FlushOptions, abort, flush
+from swe_flush_sync._transport import Transport
 from swe_flush_sync.testing import AgentServerStub
 
 from .conftest import PYTHON, SECRET, blocked_in, spawn, subprocess_env
-
-
-def env_for(stub: AgentServerStub) -> dict[str, str]:
-    return {"AGENT_SERVER_URL": stub.url, "HARBOR_ADMIN_SECRET": SECRET}
-
-
-# -- single flight -----------------------------------------------------------------------------
-
-def test_reflush_while_in_flight_joins_the_earlier_request(stub: AgentServerStub) -> None:
-    stub.teardown = 1.0
-    stub.add_trials("a", 2)
-    with Flusher(stub.url, admin_secret=SECRET, linger=10) as flusher:
-        first = flusher.flush(["a"], deadline=0.2)
-        assert not first.ok and "left in flight" in (first.results[0].error or "")
-        second = flusher.flush(["a"], deadline=3)
-        result = second.results[0]
-        assert result.ok and result.joined and result.cancelled == 2
-        assert len(stub.requests) == 1 and stub.recancels == 0  # the teardown was never interrupted
-        third = flusher.flush(["a"], deadline=3)  # the answer is in: a new request
-        assert third.ok and not third.results[0].joined
-    assert len(stub.requests) == 2 and stub.recancels == 0
-
-
-def test_linger_zero_cuts_at_the_deadline_and_sends_again(stub: AgentServerStub) -> None:
-    stub.teardown = 1.0
-    with Flusher(stub.url, admin_secret=SECRET, linger=0) as flusher:
-        # cut at the deadline: by the caller, or on a loaded host a moment first by the clamped read timeout
-        error = flusher.flush(["a"], deadline=0.2).results[0].error or ""
-        assert error in ("deadline passed while in flight", "read timed out; deadline passed before the next retry")
-        flusher.flush(["a"], deadline=0.2)
-    assert stub.recancels >= 1  # what linger exists to prevent
-
-
-def test_per_step_aborts_shorter_than_the_teardown_send_one_flush_per_id(stub: AgentServerStub) -> None:
-    stub.teardown = 1.2
-    args = {"session_server_instance_ids": {8000: "a", 8001: "b"}, "session_server_instance_id": "c"}
-    for _ in range(3):
-        report = abort(args, environ=env_for(stub), deadline=0.2)
-        assert not report.ok
-    time.sleep(1.3)
-    assert Counter(r.instance_id for r in stub.requests) == {"a": 1, "b": 1, "c": 1}
-    assert stub.recancels == 0
-    report = abort(args, environ=env_for(stub), deadline=3)  # the teardown ended: flushed again
-    assert report.ok and len(stub.requests) == 6
-
-
-# -- fairness and retries -----------------------------------------------------------------------
-
-# -- connections ---------------------------------------------------------------------------------
-
-def test_warm_flusher_opens_no_new_connection_at_a_real_teardown(stub: AgentServerStub) -> None:
-    stub.teardown = 0.05
-    ids = [f"i{n}" for n in range(8)]
-    with Flusher(stub.url, admin_secret=SECRET) as flusher:
-        for _ in range(2):
-            assert flusher.flush(ids).ok
-        warm = stub.connections
-        assert warm <= len(ids)
-        for _ in range(20):
-            assert flusher.flush(ids).ok
-    assert stub.connections == warm, (warm, stub.connections)
-
-
-def test_a_lingering_request_never_delays_fresh_pairs(stub: AgentServerStub) -> None:
-    stub.fault("hung", hang=True)
-    with Flusher(stub.url, admin_secret=SECRET, max_workers=4, linger=30) as flusher:
-        assert not flusher.flush(["hung"], deadline=0.2).ok  # one of the 4 workers stays on it
-        started = time.monotonic()
-        report = flusher.flush([f"i{n}" for n in range(8)], deadline=5)
-        took = time.monotonic() - started
-    assert report.ok and took < 0.5
-
-
-def test_every_server_gets_its_share_under_a_deadline(stub_factory) -> None:  # type: ignore[no-untyped-def]
-    stubs = [stub_factory(secret=SECRET, teardown=0.05) for _ in range(4)]
-    ids = [f"i{n}" for n in range(300)]
-    report = flush([s.url for s in stubs], ids, admin_secret=SECRET, max_workers=16, deadline=1.0)
-    shares = [len(s.requests) for s in stubs]
-    assert min(shares) >= max(shares) / 2, shares
-    assert report.elapsed <= 1.0 + 0.5
-    assert [r.server_url for r in report.results[:300]] == [stubs[0].url] * 300  # report stays server-major
-
-
-def test_three_503s_then_200_fit_in_the_deadline(stub: AgentServerStub) -> None:
-    ids = [f"i{n}" for n in range(20)]
-    for instance_id in ids:
-        stub.fault(instance_id, statuses=[503, 503, 503])
-    report = flush(stub.url, ids, admin_secret=SECRET, deadline=1.5)
-    assert report.ok, report.summary()
-    assert all(r.attempts == 4 for r in report.results)
-
-
-# -- typed options --------------------------------------------------------------------------------
-
-def test_misspelt_option_is_a_type_error_at_the_call() -> None:
-    with pytest.raises(TypeError):
-        abort({}, dealine=10)  # type: ignore[call-arg]
-    with pytest.raises(TypeError):
-        Flusher("http://127.0.0.1:9", max_worker=3)  # type: ignore[call-arg]
-
-
-@pytest.mark.parametrize(("option", "value"), [("max_workers", [1]), ("linger", -1), ("linger", "5"),
-                                               ("retries", 1.5), ("bearer", "not-callable")])
-def test_wrong_typed_option_names_it(stub: AgentServerStub, option: str, value: object) -> None:
-    with pytest.raises(ConfigError, match=option):
-        Flusher(stub.url, **{option: value})  # type: ignore[arg-type]
-    report = abort({"session_server_instance_id": "a"}, environ=env_for(stub), **{option: value})  # type: ignore[arg-type]
-    assert option in (report.error or "") and stub.requests == []
-
 
 # -- real processes: Ctrl-C, exit, fork, signals under logging locks -------------------------------
 
@@ -246,3 +139,30 @@ def test_sigterm_while_a_logging_lock_is_held(stub: AgentServerStub, scenario: s
     assert proc.returncode == -signal.SIGTERM
     assert took <= 5 + 1.5
     assert Counter(stub.flushed_ids()) == dict.fromkeys(ids, 1)
+
+# -- the transport sends through requests' own adapter -----------------------------------------------
+
+def test_transport_has_no_short_send_and_no_request_cache() -> None:
+    from swe_flush_sync._transport import _FlushAdapter
+
+    assert "send" not in vars(_FlushAdapter)  # requests' own HTTPAdapter.send
+    transport = Transport(("http://127.0.0.1:9",), FlushOptions(max_workers=1))
+    try:
+        first = transport.prepare("http://127.0.0.1:9", "a", "Bearer t")
+        assert first is not transport.prepare("http://127.0.0.1:9", "a", "Bearer t")
+        assert first.headers["Content-Length"] == str(len(first.body or b""))
+        assert "Authorization" not in transport.prepare("http://127.0.0.1:9", "a", None).headers
+    finally:
+        transport.close()
+
+
+def test_a_programming_error_in_the_library_fails_loudly(monkeypatch: pytest.MonkeyPatch,
+                                                         stub: AgentServerStub) -> None:
+    def broken(*args: object) -> None:
+        raise AttributeError("a bug")
+
+    monkeypatch.setattr(Transport, "prepare", broken)
+    with pytest.raises(AttributeError, match="a bug"):
+        flush(stub.url, ["a"], admin_secret=SECRET)
+    report = abort({"session_server_instance_id": "a"}, environ={"AGENT_SERVER_URL": stub.url})
+    assert report.error == "unexpected AttributeError while flushing"  # the public "never raises" boundary
