@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from swe_flush_sync import Watchdog, watchdog
 from swe_flush_sync._lifecycle import _close_cached_flushers
 from swe_flush_sync._watchdog_process import process_stat
 from swe_flush_sync.testing import AgentServerStub
@@ -238,6 +239,24 @@ class GuardProcess:
         """Its stderr, once it has ended."""
         assert self.proc.stderr is not None
         return self.proc.stderr.read()
+
+
+@pytest.fixture
+def arm_in_process() -> Iterator[Callable[..., Watchdog]]:
+    """``watchdog(args, **options)`` in this process; each one armed is disarmed after the test (this
+    process's end would trigger it) and ended by its pid if it still runs."""
+    dogs: list[Watchdog] = []
+
+    def arm(args: object, **options: object) -> Watchdog:
+        dog = watchdog(args, **options)  # type: ignore[arg-type]
+        dogs.append(dog)
+        _watchdog_pids.append(dog.pid)
+        return dog
+
+    yield arm
+    for dog in dogs:
+        dog.disarm()
+        _watchdog_pids.append(dog.pid)
 
 
 @pytest.fixture

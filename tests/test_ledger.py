@@ -9,16 +9,16 @@ import signal
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from swe_flush_sync import ConfigError, ScopedBearer, recover, watchdog
+from swe_flush_sync import ConfigError, ScopedBearer, Watchdog, recover, watchdog
 from swe_flush_sync import _watchdog as watchdog_module
 from swe_flush_sync.testing import AgentServerStub
 
-from .conftest import PYTHON, SECRET, _watchdog_pids, gone, proc_stat, spawn, subprocess_env, wait_until
+from .conftest import PYTHON, SECRET, gone, proc_stat, spawn, subprocess_env, wait_until
 from .helpers import ENV, IDS, Trainer, here, records, write_record
 
 
@@ -207,21 +207,11 @@ def test_no_file_in_the_ledger_holds_a_secret(stub_factory: Callable[..., AgentS
     assert oct(records(tmp_path)[0].stat().st_mode & 0o777) == "0o600"
 
 
-@pytest.fixture
-def in_process_watchdogs() -> Iterator[list[object]]:
-    guards: list[object] = []
-    yield guards
-    for guard in guards:
-        guard.disarm()  # type: ignore[attr-defined]
-
-
 def test_heartbeat_and_disarm(stub: AgentServerStub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                              in_process_watchdogs: list[object]) -> None:
+                              arm_in_process: Callable[..., Watchdog]) -> None:
     monkeypatch.setattr(watchdog_module, "DEFAULT_HEARTBEAT", 0.2)
     args = argparse.Namespace(session_server_instance_ids={1: "hb-a"})
-    guard = watchdog(args, environ={"AGENT_SERVER_URL": stub.url}, ledger=str(tmp_path / "new" / "ledger"))
-    in_process_watchdogs.append(guard)
-    _watchdog_pids.append(guard.pid)
+    guard = arm_in_process(args, environ={"AGENT_SERVER_URL": stub.url}, ledger=str(tmp_path / "new" / "ledger"))
     [record] = records(tmp_path / "new" / "ledger")  # the directory is made
     first = json.loads(record.read_text())["heartbeat"]
     assert wait_until(lambda: json.loads(record.read_text())["heartbeat"] > first, 2.0)
@@ -231,11 +221,9 @@ def test_heartbeat_and_disarm(stub: AgentServerStub, tmp_path: Path, monkeypatch
 
 
 def test_the_environment_names_the_ledger(stub: AgentServerStub, tmp_path: Path,
-                                          in_process_watchdogs: list[object]) -> None:
+                                          arm_in_process: Callable[..., Watchdog]) -> None:
     args = argparse.Namespace(session_server_instance_ids={1: "env-a"})
-    guard = watchdog(args, environ={"AGENT_SERVER_URL": stub.url, "SWE_FLUSH_LEDGER": str(tmp_path)})
-    in_process_watchdogs.append(guard)
-    _watchdog_pids.append(guard.pid)
+    guard = arm_in_process(args, environ={"AGENT_SERVER_URL": stub.url, "SWE_FLUSH_LEDGER": str(tmp_path)})
     assert guard.ledger == str(tmp_path) and len(records(tmp_path)) == 1
 
 

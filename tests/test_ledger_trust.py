@@ -9,15 +9,15 @@ import os
 import shutil
 import signal
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from swe_flush_sync import ConfigError, recover, watchdog
+from swe_flush_sync import ConfigError, Watchdog, recover, watchdog
 from swe_flush_sync.testing import AgentServerStub
 
-from .conftest import PYTHON, SECRET, _watchdog_pids, gone, proc_stat, subprocess_env, wait_until
+from .conftest import PYTHON, SECRET, gone, proc_stat, subprocess_env, wait_until
 from .helpers import (
     ENV,
     IDS,
@@ -111,16 +111,8 @@ def test_a_record_another_user_owns_is_left_alone(stub: AgentServerStub, tmp_pat
     assert out.returncode == 1 and json.loads(out.stdout)["error"] == report.error  # the CLI says it and fails
 
 
-@pytest.fixture
-def in_process_watchdogs() -> Iterator[list[object]]:
-    guards: list[object] = []
-    yield guards
-    for guard in guards:
-        guard.disarm()  # type: ignore[attr-defined]
-
-
 def test_watchdog_refuses_a_ledger_others_may_write(stub: AgentServerStub, tmp_path: Path,
-                                                    in_process_watchdogs: list[object]) -> None:
+                                                    arm_in_process: Callable[..., Watchdog]) -> None:
     args = argparse.Namespace(session_server_instance_id="x")
     env = {"AGENT_SERVER_URL": stub.url}
     open_dir = tmp_path / "open"
@@ -134,17 +126,13 @@ def test_watchdog_refuses_a_ledger_others_may_write(stub: AgentServerStub, tmp_p
     assert stub.requests == []
 
     made = tmp_path / "made" / "ledger"
-    guard = watchdog(args, environ=env, ledger=str(made))
-    in_process_watchdogs.append(guard)
-    _watchdog_pids.append(guard.pid)
+    guard = arm_in_process(args, environ=env, ledger=str(made))
     assert oct(made.stat().st_mode & 0o777) == "0o700"
     guard.disarm()
     kept = tmp_path / "kept"
     kept.mkdir()
     kept.chmod(0o750)
-    guard = watchdog(args, environ=env, ledger=str(kept))
-    in_process_watchdogs.append(guard)
-    _watchdog_pids.append(guard.pid)
+    guard = arm_in_process(args, environ=env, ledger=str(kept))
     assert oct(kept.stat().st_mode & 0o777) == "0o750"
 
 

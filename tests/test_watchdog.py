@@ -7,12 +7,13 @@ nothing else); every watchdog it arms is ended by its pid after the test if it s
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
@@ -276,19 +277,9 @@ def args() -> argparse.Namespace:
 
 
 @pytest.fixture
-def arm(stub: AgentServerStub) -> Iterator[Callable[..., Watchdog]]:
-    guards: list[Watchdog] = []
-
-    def make(args: object, **options: object) -> Watchdog:
-        guard = watchdog(args, environ={"AGENT_SERVER_URL": stub.url, "HARBOR_ADMIN_SECRET": SECRET},
-                         **options)  # type: ignore[arg-type]
-        guards.append(guard)
-        _watchdog_pids.append(guard.pid)
-        return guard
-
-    yield make
-    for guard in guards:
-        guard.disarm()
+def arm(stub: AgentServerStub, arm_in_process: Callable[..., Watchdog]) -> Callable[..., Watchdog]:
+    """``arm_in_process`` against the stub."""
+    return functools.partial(arm_in_process, environ={"AGENT_SERVER_URL": stub.url, "HARBOR_ADMIN_SECRET": SECRET})
 
 
 def test_same_args_same_watchdog(arm: Callable[..., Watchdog], args: argparse.Namespace) -> None:

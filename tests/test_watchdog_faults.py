@@ -13,12 +13,12 @@ import signal
 import textwrap
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from swe_flush_sync import Watchdog, abort, recover, watchdog
+from swe_flush_sync import Watchdog, abort, recover
 from swe_flush_sync import _watchdog as watchdog_module
 from swe_flush_sync._watchdog_process import process_stopped as stopped
 from swe_flush_sync.testing import AgentServerStub
@@ -185,30 +185,13 @@ def test_a_full_stderr_pipe_never_keeps_the_watchdog(stub: AgentServerStub, tmp_
     assert sorted(stub.flushed_ids()) == sorted(IDS) and records(tmp_path) == []
 
 
-@pytest.fixture
-def in_process() -> Iterator[Callable[..., Watchdog]]:
-    """Arm watchdogs in this process; each is disarmed (and killed by pid if need be) after the test."""
-    guards: list[Watchdog] = []
-
-    def make(args: object, **options: object) -> Watchdog:
-        guard = watchdog(args, **options)  # type: ignore[arg-type]
-        guards.append(guard)
-        _watchdog_pids.append(guard.pid)
-        return guard
-
-    yield make
-    for guard in guards:
-        guard.disarm()
-        _watchdog_pids.append(guard.pid)
-
-
-def test_a_record_that_cannot_be_written_is_said(in_process: Callable[..., Watchdog], stub: AgentServerStub,
+def test_a_record_that_cannot_be_written_is_said(arm_in_process: Callable[..., Watchdog], stub: AgentServerStub,
                                                    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                    caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(watchdog_module, "DEFAULT_HEARTBEAT", 0.2)
     ledger = tmp_path / "ledger"
     args = argparse.Namespace(session_server_instance_id="hb-a")
-    guard = in_process(args, environ={"AGENT_SERVER_URL": stub.url}, ledger=str(ledger))
+    guard = arm_in_process(args, environ={"AGENT_SERVER_URL": stub.url}, ledger=str(ledger))
     assert guard.ledger_error is None and len(records(ledger)) == 1
     shutil.rmtree(ledger)  # the volume went away (a full one says ENOSPC the same way)
     assert wait_until(lambda: guard.armed and guard.ledger_error is not None, 10.0)
