@@ -40,6 +40,15 @@ args = argparse.Namespace(session_server_instance_ids={8000: "wd-a", 8001: "wd-b
                           session_server_instance_id="wd-c")
 def armed(guard):
     print("ARMED", guard.pid, flush=True)
+def until(condition, timeout=20.0):
+    end = time.monotonic() + timeout
+    while not condition() and time.monotonic() < end:
+        time.sleep(0.01)
+    return condition()
+def refreshed(guard):
+    # refresh(), and the watchdog's word when it comes after the half second one call waits for it
+    # (a loaded host): True once it holds the new state
+    return guard.refresh() or until(lambda: guard.armed)
 """
 
 

@@ -102,7 +102,7 @@ def test_disarm_then_death_flushes_nothing(stub: AgentServerStub, start_guard: S
 def test_refresh_then_death_flushes_the_new_ids(stub: AgentServerStub, start_guard: StartGuard) -> None:
     guard = start_guard()
     trainer = guarded_trainer(stub, guard, """args.session_server_instance_ids = {9: "wd-new"}
-        print("REFRESHED", guard.refresh(), flush=True)
+        print("REFRESHED", refreshed(guard), flush=True)
         time.sleep(60)""")
     trainer.read("ARMED")
     assert trainer.read("REFRESHED")[1] == "True"
@@ -160,7 +160,7 @@ def test_a_restarted_guard_takes_the_trainer_back(stub: AgentServerStub, start_g
             time.sleep(0.005)  # no refresh, no abort: the trainer reconnects by itself
         print("BACK", guard.armed, guard.pid, round(time.monotonic() - started, 2), flush=True)
         args.session_server_instance_id = "wd-later"
-        print("REFRESHED", guard.refresh(), guard.armed, flush=True)
+        print("REFRESHED", refreshed(guard), guard.armed, flush=True)
         time.sleep(60)
     """)
     trainer.read("ARMED")

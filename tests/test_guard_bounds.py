@@ -386,7 +386,7 @@ def test_an_update_during_a_drain_is_held_and_flushed(stub: AgentServerStub,
         print("ARMED", flush=True)
         sys.stdin.readline()
         args.session_server_instance_id = "added-while-draining"
-        print("REFRESHED", keeper.refresh(), flush=True)
+        print("REFRESHED", refreshed(keeper), flush=True)
         time.sleep(60)
     """, stdin=True)
     trainer.read("ARMED")

@@ -150,7 +150,7 @@ def test_refresh_hands_over_changed_ids(stub: AgentServerStub) -> None:
         unchanged = guard.refresh()
         args.session_server_instance_ids = {8002: "wd-new"}
         args.session_server_instance_id = None
-        print("REFRESHED", unchanged, guard.refresh(), guard.refresh(), flush=True)
+        print("REFRESHED", unchanged, refreshed(guard), guard.refresh(), flush=True)
         time.sleep(60)
     """)
     pid = trainer.armed()
@@ -167,11 +167,12 @@ def test_abort_hands_the_new_ids_to_the_watchdog(stub: AgentServerStub) -> None:
         armed(guard)
         args.session_server_instance_ids = {8002: "wd-new"}
         args.session_server_instance_id = None
-        print("ABORTED", abort(args).ok, guard.refresh(), flush=True)  # refresh: abort handed them over
+        # abort handed them over: once the watchdog holds them, a refresh has nothing new to hand
+        print("ABORTED", abort(args).ok, until(lambda: guard.armed), guard.refresh(), flush=True)
         time.sleep(60)
     """)
     pid = trainer.armed()
-    assert trainer.read("ABORTED") == ["ABORTED", "True", "False"]
+    assert trainer.read("ABORTED") == ["ABORTED", "True", "True", "False"]
     trainer.proc.kill()
     trainer.death()
     assert wait_until(lambda: gone(pid), 5.0)  # it flushed, then exited: nothing more can come

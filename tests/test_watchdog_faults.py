@@ -339,7 +339,7 @@ def test_arming_with_stdio_closed(stub: AgentServerStub, tmp_path: Path) -> None
             guard = watchdog(args, until_idle=False)
             note.write(f"ARMED {{guard.pid}} {{guard.armed}}\\n")
             args.session_server_instance_id = "wd-late"
-            note.write(f"REFRESHED {{guard.refresh()}}\\n")
+            note.write(f"REFRESHED {{refreshed(guard)}}\\n")
         time.sleep(60)
     """)
     env = subprocess_env(AGENT_SERVER_URL=stub.url, HARBOR_ADMIN_SECRET=SECRET)
