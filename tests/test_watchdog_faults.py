@@ -78,10 +78,7 @@ def test_part_of_a_state_reaches_the_watchdog_after_a_stop(stub: AgentServerStub
         started = time.monotonic()
         print("STOPPED", guard.refresh(), guard.armed, round(time.monotonic() - started, 2), flush=True)
         sys.stdin.readline()  # the test lets it go on
-        for _ in range(40):  # the watchdog, running again, catches up with the pipe (on a loaded host: a while)
-            confirmed = guard.refresh()  # (True once: when it confirms the state)
-            if confirmed:
-                break
+        confirmed = refreshed(guard)  # the watchdog, running again, catches up with the pipe (loaded: a while)
         print("AGAIN", confirmed, guard.armed, flush=True)
         time.sleep(60)
     """)
@@ -93,7 +90,7 @@ def test_part_of_a_state_reaches_the_watchdog_after_a_stop(stub: AgentServerStub
     assert words[1:3] == ["False", "False"] and float(words[3]) < 1.0  # not confirmed, and armed says so
     os.kill(pid, signal.SIGCONT)
     trainer.go_on()
-    assert trainer.read("AGAIN")[1:] == ["True", "True"]  # the same ids: the rest is written all the same
+    assert trainer.read("AGAIN", timeout=40)[1:] == ["True", "True"]  # the same ids: the rest is written all the same
     trainer.proc.kill()
     trainer.death()
     assert wait_until(lambda: len(stub.requests) >= 2001, 15.0), len(stub.requests)
