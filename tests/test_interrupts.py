@@ -60,7 +60,7 @@ def test_ctrl_c_during_a_long_flush_ends_the_process_at_once(stub: AgentServerSt
 
 
 @pytest.mark.parametrize("fault", ["hang", "trickle"])
-def test_exit_within_a_second_after_a_timed_out_flush_that_lingers(stub: AgentServerStub, fault: str) -> None:
+def test_exit_is_never_held_by_a_timed_out_flush_that_lingers(stub: AgentServerStub, fault: str) -> None:
     stub.fault("slow", hang=fault == "hang", trickle=0.2 if fault == "trickle" else None)
     proc = run_child(stub, """
         from swe_flush_sync import abort
@@ -72,7 +72,9 @@ def test_exit_within_a_second_after_a_timed_out_flush_that_lingers(stub: AgentSe
     proc.communicate(timeout=10)
     took = time.monotonic() - done
     print(f"[timing] exited {took:.2f}s after the call returned")
-    assert proc.returncode == 0 and took <= 1.0
+    # A request left in flight would hold the exit for its 120 s linger; the interpreter's own teardown
+    # took 1.03 s at a load of 16 in CI.
+    assert proc.returncode == 0 and took <= 3.0
 
 
 def test_abort_in_a_forked_child_works_and_the_parent_is_unaffected(stub: AgentServerStub) -> None:
