@@ -275,6 +275,7 @@ def test_a_stopped_trainer_is_never_flushed_across_a_restart(stub: AgentServerSt
     trainer = Trainer(stub, LONG_STEP.format(name="stopped", path=path))
     trainer.read("ARMED")
     assert wait_until(lambda: len(records(ledger)) == 1, 5.0)
+    first_keeper = _record_keepers(ledger)  # (read now: once it runs again, the trainer may be held at once)
     os.kill(trainer.proc.pid, signal.SIGSTOP)  # a Slurm suspend, a debugger: it cannot reconnect
     try:
         os.kill(first_pid, signal.SIGKILL)  # the sidecar restarts
@@ -288,7 +289,6 @@ def test_a_stopped_trainer_is_never_flushed_across_a_restart(stub: AgentServerSt
             time.sleep(0.05)
     finally:
         os.kill(trainer.proc.pid, signal.SIGCONT)
-    first_keeper = _record_keepers(ledger)
     assert wait_until(lambda: _record_keepers(ledger) != first_keeper, 15.0)  # held again, by the new guard
     trainer.proc.kill()
     trainer.death()
