@@ -32,7 +32,7 @@ import threading
 import time
 from pathlib import Path
 
-from swe_flush_sync._watchdog_process import PROTOCOL, encode_state
+from swe_flush_sync._wire import PROTOCOL, encode_state
 from swe_flush_sync.testing import AgentServerStub
 
 RESULTS = Path(__file__).with_name("guard.md")

@@ -30,6 +30,7 @@ from ._guard_client import ImpostorError
 from ._guard_metrics import parse_address
 from ._ledger import recover
 from ._options import DEFAULT_DEADLINE
+from ._record import DEFAULT_HEARTBEAT
 from ._report import FlushReport
 from ._resolve import (
     PLURAL_ATTR,
@@ -42,7 +43,6 @@ from ._resolve import (
     resolve_server_urls,
 )
 from ._text import shown
-from ._watchdog_process import DEFAULT_HEARTBEAT
 
 Command = tuple[Callable[[], "Parser"], Callable[[argparse.Namespace], int]]  # a subcommand's parser and runner
 EXIT_OK = 0

@@ -47,19 +47,12 @@ from ._guard_pool import DEFAULT_FLUSH_WORKERS
 from ._guard_socket import PATH_CHECK, PAUSE, GuardError, SocketPath
 from ._liveness import guard_lock_path, hold, release, trainer_lock_path
 from ._options import FlushOptions, RecoverOptionKwargs
+from ._record import DEFAULT_HEARTBEAT
 from ._resolve import normalize_instance_ids, normalize_server_urls
 from ._text import shown
 from ._trust import directory_problem
-from ._watchdog_process import (
-    DEFAULT_HEARTBEAT,
-    MAX_IDS,
-    STATUS,
-    BadLine,
-    Channel,
-    WatchLoop,
-    io_error,
-    write_all,
-)
+from ._watch_loop import Channel, WatchLoop, io_error
+from ._wire import MAX_IDS, STATUS, BadLine, write_all
 
 __all__ = ["DEFAULT_DRAIN", "DEFAULT_MAX_HELD", "TAKEOVER_GRACE", "Guard", "GuardError", "guard_status", "run_guard"]
 

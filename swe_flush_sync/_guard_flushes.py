@@ -22,13 +22,15 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 from ._errors import ConfigError
 from ._flusher import Call
 from ._guard_pool import WorkPool
-from ._ledger import Place, Record, recover_with
+from ._ledger import recover_with
 from ._liveness import is_held
 from ._options import FlushOptions
+from ._proc import Place, process_start_time
+from ._record import Record
 from ._report import FlushReport, FlushResult
 from ._resolve import URL_ENV_VARS, resolve_server_urls
 from ._threads import block_signals
-from ._watchdog_process import Channel, process_start_time
+from ._watch_loop import Channel
 
 if TYPE_CHECKING:
     from ._guard_metrics import GuardMetrics

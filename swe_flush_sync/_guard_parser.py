@@ -17,7 +17,7 @@ import subprocess
 import sys
 from typing import Any, Final
 
-from ._watchdog_process import BadLine, parse_line
+from ._wire import BadLine, parse_line
 
 _HEADER: Final = struct.Struct("!Q")  # the length of what follows
 

@@ -22,7 +22,8 @@ from ._guard_client import ImpostorError
 from ._liveness import UNSUPPORTED
 from ._text import shown
 from ._trust import ownership_problem
-from ._watchdog_process import MAX_SOCKET_PATH, WatchLoop
+from ._watch_loop import WatchLoop
+from ._wire import MAX_SOCKET_PATH
 
 PATH_CHECK: Final = 2.0  # seconds between two checks that the socket path is still the guard's
 PAUSE: Final = 0.1  # seconds accepting pauses at EMFILE or when every peer holds a trainer

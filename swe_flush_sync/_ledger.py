@@ -1,7 +1,7 @@
 """``recover``: flush the ids of trainers that died with their watchdog (a lost pod or node).
 
 A watchdog armed with a ledger keeps one JSON record of its trainer's servers and ids there
-(``_watchdog_process`` writes it). At start-up, ``recover(ledger)`` flushes, in one parallel
+(``_record``). At start-up, ``recover(ledger)`` flushes, in one parallel
 call, the ids of every record whose owner is gone, then removes each record whose pairs all
 flushed. A record is claimed by renaming it before it is flushed, so two recovers at once never
 flush the same record twice. A record that cannot be read is moved aside (``*.bad``).
@@ -11,25 +11,22 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
-import json
 import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final
 
 from ._errors import ConfigError
 from ._flusher import Flusher, Runner
-from ._liveness import is_held
 from ._logs import log_report
 from ._options import FlushOptions
+from ._proc import Place, alive, process_start_time
+from ._record import RECORD_SUFFIX, BadRecord, Record, UntrustedRecord
 from ._report import FlushReport, FlushResult
 from ._resolve import (
     URL_ENV_VARS,
-    normalize_instance_ids,
     normalize_server_urls,
     redact_url,
     resolve_bearer,
@@ -37,16 +34,7 @@ from ._resolve import (
 )
 from ._text import shown
 from ._threads import block_signals
-from ._trust import directory_problem, ownership_problem
-from ._watchdog_process import (
-    MAX_STATE_BYTES,
-    RECORD_SUFFIX,
-    RECORD_VERSION,
-    boot_id,
-    host_name,
-    pid_namespace,
-    process_start_time,
-)
+from ._trust import directory_problem
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -57,159 +45,7 @@ log = logging.getLogger(__name__)
 
 CLAIM_MARK: Final = ".claim-"  # <record>.json.claim-<host>.<pid>.<start>: being recovered
 BAD_SUFFIX: Final = ".bad"
-STALE_HEARTBEATS: Final = 3  # an owner elsewhere is gone when its heartbeat is older than this many intervals
 STALE_CLAIM: Final = 600.0  # seconds after which a claim made on another host is taken over
-
-
-class BadRecord(Exception):
-    """A ledger record that cannot be used; the message says why (never its content). Moved aside."""
-
-
-class UntrustedRecord(Exception):
-    """A ledger record that someone else could have written; the message says why. Left alone."""
-
-
-@dataclass(frozen=True, slots=True)
-class Place:
-    """Where a pid means something: one host, one boot, one PID namespace."""
-
-    host: str
-    boot_id: str | None
-    pid_ns: int | None
-
-    @classmethod
-    def here(cls) -> Place:
-        return cls(host_name(), boot_id(), pid_namespace())
-
-
-def _alive(pid: int | None, started: int | None) -> bool:
-    """Is ``pid`` still the live process that started at ``started``?"""
-    return pid is not None and started is not None and process_start_time(pid) == started
-
-
-@dataclass(frozen=True, slots=True)
-class Record:
-    """One trainer's record: where its ids live and how to tell whether it is gone.
-
-    ``set_aside`` says why some of the ids it holds were not taken (None when all were).
-    """
-
-    urls: tuple[str, ...]
-    ids: tuple[str, ...]
-    place: Place
-    pid: int
-    start_time: int | None
-    watchdog_pid: int | None
-    watchdog_start_time: int | None
-    heartbeat: float
-    heartbeat_interval: float
-    set_aside: str | None = None
-    trainer: str | None = None  # the trainer's token (a guard's record), None for a watchdog's
-    gone: bool = False  # its keeper saw the trainer die and has not flushed it yet
-    trainer_lock: str | None = None  # a guard's record: the trainer's lock file (held while it lives)
-    guard_lock: str | None = None  # ... and the lock of the guard that keeps it (held while that guard lives)
-
-    def owner_gone(self, here: Place, now: float) -> bool:
-        """Marked gone by its keeper. Else, for a guard's record, what the locks prove (see
-        ``_liveness``): a live guard's record is that guard's to flush; a trainer whose lock is held
-        lives, however long it has been stopped and in whatever PID namespace; one whose lock is
-        free is gone. Else (no lock, or none that can be examined here), in this host, boot and
-        PID namespace, its watchdog (or guard) is not alive to flush and the trainer is dead (or a
-        zombie, or another process); anywhere else, or when the trainer's pid meant nothing to its
-        guard, the heartbeat is stale."""
-        if self.gone:
-            return True
-        if self.guard_lock is not None and is_held(self.guard_lock):
-            return False
-        trainer_alive = is_held(self.trainer_lock) if self.trainer_lock is not None else None
-        if trainer_alive is not None:
-            return not trainer_alive
-        if here.boot_id is not None and here.pid_ns is not None and self.place == here:
-            if _alive(self.watchdog_pid, self.watchdog_start_time):
-                return False
-            if self.start_time is not None:
-                return not _alive(self.pid, self.start_time)
-        return self.stale(now)
-
-    def stale(self, now: float) -> bool:
-        """Is its heartbeat older than ``STALE_HEARTBEATS`` intervals?"""
-        return now - self.heartbeat > STALE_HEARTBEATS * self.heartbeat_interval
-
-
-def read_record(path: str) -> Record:
-    """Parse and check the record at ``path``.
-
-    Raises:
-        FileNotFoundError: it is gone (another recover claimed it).
-        UntrustedRecord: another user owns it or may write it, or it is a symbolic link.
-        BadRecord: it cannot be read or is not a valid record (the message says what is wrong).
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise  # claimed (renamed) by another recover meanwhile
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise UntrustedRecord("is a symbolic link") from None
-        raise BadRecord(f"cannot be read ({exc.strerror or type(exc).__name__})") from None
-    try:
-        problem = ownership_problem(os.fstat(fd))  # of the file opened, not of whatever the path names now
-        if problem is not None:
-            raise UntrustedRecord(problem)
-        with os.fdopen(fd, "rb", closefd=False) as handle:
-            data = handle.read(MAX_STATE_BYTES + 1)
-    except OSError as exc:
-        raise BadRecord(f"cannot be read ({exc.strerror or type(exc).__name__})") from None
-    finally:
-        os.close(fd)
-    if len(data) > MAX_STATE_BYTES:
-        raise BadRecord(f"is larger than {MAX_STATE_BYTES} bytes")
-    try:
-        raw = json.loads(data)
-    except ValueError:
-        raise BadRecord("is not JSON") from None
-    if not isinstance(raw, dict) or raw.get("version") != RECORD_VERSION:
-        raise BadRecord(f"is not a version {RECORD_VERSION} record")
-    ids, invalid = _valid_ids(_field(raw, "ids", list))
-    try:
-        urls = normalize_server_urls(_field(raw, "urls", list), "the record's urls")
-    except ConfigError as exc:
-        raise BadRecord(str(exc)) from None
-    optional_int = (int, type(None))
-    trainer = raw.get("trainer")
-    locks = {name: raw.get(name) if isinstance(raw.get(name), str) else None for name in ("trainer_lock", "guard_lock")}
-    return Record(urls=urls, ids=ids, trainer=trainer if isinstance(trainer, str) else None,
-                  gone=raw.get("gone") is True, **locks,
-                  place=Place(_field(raw, "host", str), _field(raw, "boot_id", (str, type(None))),
-                              raw.get("pid_ns") if isinstance(raw.get("pid_ns"), int) else None),
-                  pid=_field(raw, "pid", int), start_time=_field(raw, "start_time", optional_int),
-                  watchdog_pid=_field(raw, "watchdog_pid", optional_int),
-                  watchdog_start_time=_field(raw, "watchdog_start_time", optional_int),
-                  heartbeat=float(_field(raw, "heartbeat", (int, float))),
-                  heartbeat_interval=float(_field(raw, "heartbeat_interval", (int, float))),
-                  set_aside=f"{invalid} of its ids set aside (not text)" if invalid else None)
-
-
-def _valid_ids(values: list[Any]) -> tuple[tuple[str, ...], int]:
-    """The ids a flush may take, deduplicated, and how many values were not ids. One rule for what
-    an id is (``normalize_instance_ids``: a non-empty str; blanks are skipped), as ``abort``, the
-    watchdog and the guard apply it."""
-    ids: dict[str, None] = {}
-    invalid = 0
-    for value in values:
-        try:
-            ids.update(dict.fromkeys(normalize_instance_ids([value])))
-        except ConfigError:
-            invalid += 1
-    return tuple(ids), invalid
-
-
-def _field(raw: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
-    """``raw[name]`` if it is of ``kind`` (a missing key reads as None), else ``BadRecord``."""
-    value = raw.get(name)
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise BadRecord(f"has no valid {name!r}")
-    return value
 
 
 def _claim_owner_gone(name: str, here: Place, now: float, path: str) -> bool:
@@ -220,7 +56,7 @@ def _claim_owner_gone(name: str, here: Place, now: float, path: str) -> bool:
     except ValueError:
         return False
     if host == here.host and namespace == str(here.pid_ns):
-        return not _alive(pid, started)
+        return not alive(pid, started)
     try:
         return now - os.stat(path).st_mtime > STALE_CLAIM
     except OSError:
@@ -286,7 +122,7 @@ class _Ledger:
     def _usable(self, path: str) -> Record | None:
         """The record at ``path`` if it may be flushed by this ``recover``; else None, said once."""
         try:
-            record = read_record(path)
+            record = Record.read(path)
         except FileNotFoundError:
             return None  # another recover claimed it a moment ago
         except UntrustedRecord as exc:

@@ -23,14 +23,15 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 from . import _watchdog_link as link_module
-from . import _watchdog_process
 from ._errors import ConfigError, FlushError
 from ._options import FlushOptions
+from ._record import DEFAULT_HEARTBEAT
 from ._resolve import URL_ENV_VARS, resolve_bearer, resolve_instance_ids, resolve_server_urls
 from ._text import shown
 from ._trust import directory_problem
 from ._watchdog_ends import ARM_TIMEOUT, GUARD_ENV_VAR, SEND_TIMEOUT, End, GuardEnd, ProcessEnd, unsaid
 from ._watchdog_link import Link
+from ._wire import LEDGER, MAX_IDS, MAX_SOCKET_PATH, MAX_STATE_BYTES, encode_state, shape_problem
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -43,7 +44,6 @@ __all__ = ["ARM_TIMEOUT", "GUARD_ENV_VAR", "LEDGER_ENV_VAR", "SEND_TIMEOUT", "Wa
 log = logging.getLogger(__name__)
 
 LEDGER_ENV_VAR: Final = "SWE_FLUSH_LEDGER"
-DEFAULT_HEARTBEAT: Final = _watchdog_process.DEFAULT_HEARTBEAT  # seconds between two heartbeats of a record
 _watchdogs: list[Watchdog] = []  # every watchdog not disarmed, lost ones included (abort re-arms them)
 
 
@@ -66,8 +66,8 @@ class _Source:
         provider = self.options.bearer_provider or resolve_bearer(env)
         tokens = None if provider is None else _tokens(provider, ids)
         options = self.options
-        if len(ids) > _watchdog_process.MAX_IDS:
-            raise ConfigError(f"watchdog: {len(ids)} ids; a watchdog holds at most {_watchdog_process.MAX_IDS}")
+        if len(ids) > MAX_IDS:
+            raise ConfigError(f"watchdog: {len(ids)} ids; a watchdog holds at most {MAX_IDS}")
         state = {
             "urls": urls, "ids": ids, "tokens": tokens, "ledger": self.ledger, "heartbeat": DEFAULT_HEARTBEAT,
             "trainer": self.token, "lock": lock, "sys_path": [os.path.abspath(path) for path in sys.path],
@@ -76,11 +76,11 @@ class _Source:
                         "until_idle": options.until_idle, "ca_bundle": _absolute(options.ca_bundle),
                         "client_cert": _absolute(options.client_cert)},  # paths: the watchdog runs in /
         }
-        payload = _watchdog_process.encode_state(state)
-        if len(payload) > _watchdog_process.MAX_STATE_BYTES:
-            raise ConfigError(f"watchdog: {len(ids)} ids make a state over {_watchdog_process.MAX_STATE_BYTES} bytes")
+        payload = encode_state(state)
+        if len(payload) > MAX_STATE_BYTES:
+            raise ConfigError(f"watchdog: {len(ids)} ids make a state over {MAX_STATE_BYTES} bytes")
         if payload != last:
-            problem = _watchdog_process.shape_problem(payload)
+            problem = shape_problem(payload)
             if problem is not None:
                 raise ConfigError(f"watchdog: the state would be {problem}")
         return payload, frozenset((url, instance_id) for url in urls for instance_id in ids)
@@ -212,7 +212,7 @@ class Watchdog:
 
     def _hear(self, word: bytes, rest: bytes) -> None:
         """Take a word the watchdog said besides ``held`` and ``refused`` (``LOCK`` held)."""
-        if word == _watchdog_process.LEDGER:
+        if word == LEDGER:
             error = None if rest == b"ok" else rest.decode("utf-8", "replace")
             if error is not None and error != self._ledger_error:
                 unsaid.append(f"the watchdog (pid {self.pid}) cannot write its ledger record in "
@@ -364,8 +364,8 @@ def _guard_path(guard: str | None, environ: Mapping[str, str]) -> str | None:
     source = "guard" if guard is not None else GUARD_ENV_VAR
     if not isinstance(path, str) or not path.strip() or "\0" in path:
         raise ConfigError(f"{source} must be a socket path (a non-empty str)")
-    if len(os.fsencode(path)) > _watchdog_process.MAX_SOCKET_PATH:
-        raise ConfigError(f"{source}: a Unix socket path is at most {_watchdog_process.MAX_SOCKET_PATH} bytes")
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+        raise ConfigError(f"{source}: a Unix socket path is at most {MAX_SOCKET_PATH} bytes")
     return path
 
 

@@ -26,9 +26,11 @@ from . import _watchdog_process
 from ._errors import ConfigError, FlushError
 from ._guard_client import ImpostorError, connect_to_guard
 from ._liveness import hold, trainer_lock_path
+from ._proc import process_stopped
 from ._text import shown
 from ._threads import start_daemon_thread
 from ._watchdog_link import Fd, Link
+from ._wire import PROTOCOL
 
 GUARD_ENV_VAR: Final = "SWE_FLUSH_GUARD"
 ARM_TIMEOUT: Final = 10.0  # seconds arming waits for the watchdog to say it holds the ids
@@ -148,7 +150,7 @@ class ProcessEnd(End):
 
     def stopped(self) -> bool:
         """Is the watchdog process stopped (SIGSTOP, a debugger)?"""
-        return bool(self.link.pid) and _watchdog_process.process_stopped(self.link.pid)
+        return bool(self.link.pid) and process_stopped(self.link.pid)
 
     def settle_disarm(self) -> None:
         if self.link.pid:  # it must not flush later
@@ -280,7 +282,7 @@ class GuardEnd(End):
     def _check_protocol(self) -> None:
         """A guard older than this trainer is disarmed at once and refused with a ``FlushError``."""
         link = self.link
-        if link.protocol >= _watchdog_process.PROTOCOL:
+        if link.protocol >= PROTOCOL:
             return
         with link_module.LOCK:
             link.queue_disarm()
@@ -290,7 +292,7 @@ class GuardEnd(End):
             link.close()
         self.release()
         raise FlushError(f"the guard at {shown(self.path)} speaks protocol {link.protocol}, older than this "
-                         f"trainer's {_watchdog_process.PROTOCOL}: upgrade it to this swe_flush_sync version or later")
+                         f"trainer's {PROTOCOL}: upgrade it to this swe_flush_sync version or later")
 
     def _follow(self, stop: threading.Event) -> None:
         """The follower thread: it notices within a second that the guard went away and reconnects as

@@ -25,7 +25,7 @@ import weakref
 from collections.abc import Callable
 from typing import Final
 
-from ._watchdog_process import CANCEL, HELD, PROTOCOL, REFUSED
+from ._wire import CANCEL, HELD, PROTOCOL, REFUSED
 
 _DISARM: Final = b'{"disarm": true}\n'
 _END_CUT_LINE: Final = CANCEL + b"\n"

@@ -2,60 +2,27 @@
 
 Run by ``watchdog()`` as a fresh interpreter (``python <this file> --trainer-pid N ...``), it
 double-forks into its own session, ignores SIGINT, SIGTERM and SIGHUP, and blocks reading the
-control pipe whose write end only the trainer holds. Each line on the pipe is a JSON message:
-``{"state": {...}}`` (servers, ids, per-id bearers, options, the trainer's ``sys.path``, the
-ledger) or ``{"disarm": true}``. End-of-file means the trainer is gone, however it died: the
+control pipe whose write end only the trainer holds (one ``Channel`` on a ``WatchLoop``). Each line
+is a JSON message (``_wire``): a state (servers, ids, per-id bearers, options, the trainer's
+``sys.path``, the ledger) or a disarm. End-of-file means the trainer is gone, however it died: the
 watchdog then imports ``swe_flush_sync`` (only now: while it waits it holds nothing but the
 standard library), calls the public ``flush`` with the last state, writes one summary line to
-the stderr it inherited and exits.
-
-With a ledger (a directory), it also keeps one record of the trainer's servers and ids there
-(never a secret), refreshes its heartbeat, and removes it after a flush that succeeded for every
-pair or on disarm. This module imports only the standard library: ``swe_flush_sync._ledger``
-reads the records with the helpers below.
+the stderr it inherited and exits. With a ledger, it keeps its trainer's record there (``_record``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import importlib
-import json
+import importlib.machinery
+import importlib.util
 import os
-import selectors
 import signal
-import socket
 import sys
-import threading
-import time
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final, NoReturn
 
 if TYPE_CHECKING:
-    from swe_flush_sync import FlushReport
+    from ._watch_loop import Channel
 
-    from ._flusher import Runner
-
-RECORD_VERSION: Final = 1
-# The protocol of the control lines: 1 (0.5.0) had no version; 2 adds "v", the trainer's token, the
-# guard's version in "held", "refused", and strings that hold no raw backslash-quote (see encode_state).
-PROTOCOL: Final = 2
-MAX_IDS: Final = 100_000  # ids in one state
-MAX_SOCKET_PATH: Final = 107  # bytes in a guard's socket path (sockaddr_un's sun_path, less its NUL)
-OFFLOAD_BYTES: Final = 64 << 10  # a guard parses a longer line on a worker thread, not on its loop
-MAX_STATE_BYTES: Final = 32 << 20  # a control line, and so a ledger record, is at most this long
-MAX_STRINGS: Final = 3 * MAX_IDS + 4096  # ids, and each id's bearer with its key, and the rest
-MAX_ITEMS: Final = 2 * MAX_IDS + 4096  # commas outside strings: list items and object members
-MAX_CONTAINERS: Final = 64  # lists and objects in one message ("[" and "{" outside strings)
-RECORD_SUFFIX: Final = ".json"
-GUARD_RECORD_PREFIX: Final = "trainer-"  # a guard's record: trainer-<TOKEN>.json, one per trainer
-CANCEL: Final = b"\x18"  # ends a line written only in part: "drop this line" (JSON never holds a raw one)
-STATUS: Final = b"status"  # the answer to {"status": true}: "status PID TRAINERS [draining]"
-HELD: Final = b"held"  # "held SEQ PID PROTOCOL": the watchdog holds state SEQ whole (the first one: it is armed)
-LEDGER: Final = b"ledger"  # "ledger ok", or "ledger WHY" when its record could not be written
-REFUSED: Final = b"refused"  # "refused WHY": a guard will not hold this state; the connection ends
-DEFAULT_HEARTBEAT: Final = 10.0  # seconds between two heartbeats of a ledger record
-SAY_TIMEOUT: Final = 0.5  # seconds a line to the inherited stderr may take (a reader that stopped reading)
 IGNORED_SIGNALS: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 PROCESS_NAME: Final = b"swe-flush-watch"  # /proc/PID/comm, at most 15 bytes
 # The standard library that requests, urllib3 and the flush need, imported while the watchdog waits:
@@ -63,188 +30,48 @@ PROCESS_NAME: Final = b"swe-flush-watch"  # /proc/PID/comm, at most 15 bytes
 # flush request. requests itself (another 10 MiB) is imported only then.
 PRELOADED: Final = ("ssl", "http.client", "email.parser", "concurrent.futures.thread", "logging", "dataclasses",
                     "urllib.parse", "hmac", "hashlib", "queue", "weakref", "typing")
+# The package this file's folder is imported as when it runs as a script: it runs no __init__ (which
+# imports requests), and the trainer's own swe_flush_sync is imported afresh for the flush.
+LEAN_PACKAGE: Final = "_swe_flush_watchdog"
 
 
-def encode_state(message: Mapping[str, Any]) -> bytes:
-    """``message`` as one JSON line body in which a ``"`` byte only ever starts or ends a string: the
-    escapes ``\\\\`` and ``\\"`` are written ``\\u005c`` and ``\\u0022`` (the same JSON), so a reader can
-    check the line's shape by splitting it on ``"`` before it parses it."""
-    return json.dumps(message).encode().replace(b"\\\\", b"\\u005c").replace(b'\\"', b"\\u0022")
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the watchdog process (``--trainer-pid N --control-fd R --ready-fd W``)."""
+    from ._watch_loop import Channel, WatchLoop, say  # here: a script has no package until _run_as_script
 
-
-def shape_problem(line: bytes | bytearray) -> str | None:
-    """Why ``line`` is not shaped like a control message (too many strings, items or containers,
-    or escapes ``encode_state`` never writes), or None. Costs a few C-level passes over the bytes,
-    so a line that would parse into a huge or deeply nested object is refused before ``json.loads``."""
-    if line.count(b'"') > 2 * MAX_STRINGS:
-        return f"a message of more than {MAX_STRINGS} strings"
-    if b'\\"' in line or b"\\\\" in line:
-        return "a message with a raw backslash escape (not protocol 2)"
-    outside = line.split(b'"')[0::2]  # what is not inside a string
-    if sum(part.count(b"[") + part.count(b"{") for part in outside) > MAX_CONTAINERS:
-        return f"a message of more than {MAX_CONTAINERS} lists and objects"
-    if sum(part.count(b",") for part in outside) > MAX_ITEMS:
-        return f"a message of more than {MAX_ITEMS} items"
-    return None
-
-
-def host_name() -> str:
-    """This machine's host name."""
-    return socket.gethostname()
-
-
-def boot_id() -> str | None:
-    """The kernel's boot id (changes at every boot), None where there is none."""
+    for signum in IGNORED_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, IGNORED_SIGNALS)  # blocked by the trainer while it started us
+    args = dict(zip(*[iter(argv if argv is not None else sys.argv[1:])] * 2, strict=False))
+    trainer_pid = int(args["--trainer-pid"])
+    control_fd, ready_fd = int(args["--control-fd"]), int(args["--ready-fd"])
+    _detach()
+    ended: list[Channel] = []
+    loop = WatchLoop(ended.append)
+    channel = Channel(control_fd, ready_fd, trainer_pid)
+    loop.add(channel)
+    code, said, preloaded = 0, "", False
     try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as handle:
-            return handle.read().strip() or None
-    except OSError:
-        return None
+        while not ended:
+            loop.run_once()
+            if channel.state is not None and not preloaded:  # once it holds a state: while watchdog() returns
+                for module in PRELOADED:
+                    importlib.import_module(module)
+                preloaded = True
+        if channel.disarmed:
+            channel.settle(None)  # the trainer's own hook flushed everything
+        else:
+            sys.path[:] = (channel.state or {}).get("sys_path") or sys.path  # the trainer's swe_flush_sync
+            report = channel.flush()
+            code = 0 if report is None or report.ok else 1
+            said = "" if report is None else f"trainer gone; {report.summary()}"
+            channel.settle(report)
+    except Exception as exc:  # noqa: BLE001 - the last words of a process nobody waits for
+        code, said = 2, f"failed: {type(exc).__name__}"
+    if said:  # after the record is settled: a stalled stderr holds us at most SAY_TIMEOUT
+        say(f"swe-flush watchdog for pid {trainer_pid}: {said}")
+    os._exit(code)  # no lingering worker thread (a DNS lookup, a connect) may hold the exit
 
-
-def pid_namespace() -> int | None:
-    """The inode of this process's PID namespace: pids mean something only inside one. None without /proc."""
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return None
-
-
-def process_stat(pid: int) -> list[bytes] | None:
-    """The fields of ``/proc/PID/stat`` from the third on (the state first), or None without such a
-    process or /proc. The command name (field 2) may hold spaces and parentheses: fields are counted
-    after its last ')'."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            return handle.read().rpartition(b")")[2].split() or None
-    except OSError:
-        return None
-
-
-def process_start_time(pid: int) -> int | None:
-    """When the live process ``pid`` started (clock ticks since boot); None if it does not exist, is
-    a zombie nobody has reaped yet or is dying (states Z and X: as dead as it will get), or no /proc."""
-    fields = process_stat(pid)
-    try:
-        if fields is None or fields[0] in (b"Z", b"X", b"x"):
-            return None
-        return int(fields[19])  # field 22 of the whole line
-    except (IndexError, ValueError):
-        return None
-
-
-def process_stopped(pid: int) -> bool:
-    """Is the process ``pid`` stopped (SIGSTOP, a debugger: states T and t)? False when unknown."""
-    fields = process_stat(pid)
-    return fields is not None and fields[0] in (b"T", b"t")
-
-
-def record_file_name(host: str, pid: int, started: int | None, watchdog_pid: int) -> str:
-    """The ledger file of one watchdog: its trainer's host, pid and start time (unique on a host
-    across pid reuse), and its own pid (a trainer may arm several)."""
-    safe_host = "".join(ch if ch.isalnum() or ch in "-." else "_" for ch in host)[:64] or "host"
-    return f"{safe_host}.{pid}.{started or 0}.{watchdog_pid}{RECORD_SUFFIX}"
-
-
-def write_atomically(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path``: a temporary file beside it, fsync, rename, fsync the directory."""
-    folder = os.path.dirname(path) or "."
-    temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(temporary, path)
-    try:
-        dir_fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dir_fd)
-    except OSError:
-        pass
-    finally:
-        os.close(dir_fd)
-
-
-class _RecordKeeper:
-    """One trainer's record in a ledger directory, kept by its watchdog or guard.
-
-    ``update`` takes a new state (on the loop's thread); ``write`` and ``remove`` do the file I/O,
-    wherever the loop runs it (inline for a watchdog, on a writer thread for a guard).
-    """
-
-    def __init__(self, folder: str, trainer_pid: int, heartbeat: float, token: str | None = None,
-                 locks: Mapping[str, str | None] | None = None) -> None:
-        self.heartbeat = heartbeat
-        self._locks = dict(locks or {})  # a guard's: "trainer_lock" and "guard_lock", the files that prove life
-        self.gone = False  # the trainer is gone and its flush has not succeeded yet: any recover may take it
-        self._host = host_name()
-        self._started = process_start_time(trainer_pid) if trainer_pid > 0 else None
-        self._pid = trainer_pid
-        self._boot = boot_id()
-        # Where the pids mean something: the keeper's own namespace (a guard sees a peer's pid
-        # translated into its namespace, or 0 for a peer in a sibling one: start_time is None then).
-        self._namespace = pid_namespace()
-        self._token = token
-        self._watchdog = {"watchdog_pid": os.getpid(), "watchdog_start_time": process_start_time(os.getpid())}
-        name = f"{GUARD_RECORD_PREFIX}{token}{RECORD_SUFFIX}" if token is not None else \
-            record_file_name(self._host, trainer_pid, self._started, os.getpid())
-        self.path = os.path.join(folder, name)
-        self._state: Mapping[str, Any] = {}
-
-    def update(self, state: Mapping[str, Any]) -> None:
-        """The state the next ``write`` records."""
-        self._state = state
-
-    def write(self) -> None:
-        """Write (or rewrite) the record with the last state's servers and ids and a fresh heartbeat."""
-        state = self._state
-        record = {"version": RECORD_VERSION, "urls": list(state.get("urls", ())),
-                  "ids": list(state.get("ids", ())), "host": self._host, "pid": self._pid,
-                  "start_time": self._started, "boot_id": self._boot, "pid_ns": self._namespace, **self._watchdog,
-                  "heartbeat": time.time(), "heartbeat_interval": self.heartbeat, "trainer": self._token,
-                  "gone": self.gone, **self._locks}
-        write_atomically(self.path, json.dumps(record).encode())
-
-    def remove(self) -> None:
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)
-
-    def remove_older(self) -> None:
-        """Remove this trainer's records kept by watchdogs that are gone (named by pid; a guard's
-        records are named by the trainer's token, so a restarted guard's record replaces its
-        predecessor's)."""
-        if self._token is not None:
-            return
-        mine = os.path.basename(self.path)
-        prefix = mine[:-len(RECORD_SUFFIX)].rpartition(".")[0] + "."
-        with contextlib.suppress(OSError):
-            for name in os.listdir(os.path.dirname(self.path)):
-                keeper = name[len(prefix):-len(RECORD_SUFFIX)]
-                if name != mine and name.startswith(prefix) and name.endswith(RECORD_SUFFIX) and keeper.isdigit() \
-                        and process_start_time(int(keeper)) is None:
-                    with contextlib.suppress(OSError):
-                        os.unlink(os.path.join(os.path.dirname(self.path), name))
-
-
-def _say(line: str) -> None:
-    """One line on the inherited stderr, given up after ``SAY_TIMEOUT``: a closed, broken or full
-    one (a launcher that stopped reading) never keeps the watchdog from going on or exiting."""
-    if sys.stderr is None:  # fd 2 was closed when the trainer started us
-        return
-    writer = threading.Thread(target=write_all, args=(2, (line + "\n").encode("utf-8", "replace")), daemon=True)
-    writer.start()
-    writer.join(SAY_TIMEOUT)
-
-
-def write_all(fd: int, data: bytes) -> None:
-    """Write all of ``data`` to ``fd`` (blocking), giving up silently at the first error."""
-    with contextlib.suppress(OSError):
-        while data:
-            data = data[os.write(fd, data):]
 
 
 def _detach() -> None:
@@ -263,412 +90,15 @@ def _detach() -> None:
         pass
 
 
-class BadLine(ValueError):
-    """A line that cannot be taken; the message says why (never its content)."""
-
-
-def parse_line(line: bytes | bytearray, strict: bool) -> dict[str, Any]:
-    """The message of one line; ``strict`` (a guard's peers): shape-checked first (``shape_problem``).
-
-    Raises:
-        BadLine: what is wrong with it.
-    """
-    problem = shape_problem(line) if strict else None
-    if problem is not None:
-        raise BadLine(problem)
-    try:
-        message = json.loads(line)
-    except (ValueError, RecursionError):
-        raise BadLine("a line that is not JSON") from None
-    if not isinstance(message, dict):
-        raise BadLine("a message that is not an object")
-    return message
-
-
-LedgerIO = Callable[["Channel", Callable[[], None]], None]
-"""Runs one channel's record I/O (a write or a removal): a guard queues it on a writer thread."""
-
-
-class Channel:
-    """One trainer's control channel: the lines it sends, our word back, its ledger record.
-
-    ``strict`` (a guard's connections): a malformed line, a line over the bound, a message of the
-    wrong shape or a state ``check`` refuses is answered ``refused WHY``; from a peer that never
-    handed a good state over it ends the channel (``error`` says why), while a trainer already held
-    keeps its last good state (held, and flushed at its death). Otherwise (the watchdog's own
-    pipe, written only by its trainer) such a line is skipped. A guard passes its
-    own ``ledger`` folder, ``heartbeat`` and ``ledger_io``; the watchdog's pipe brings its ledger
-    with the state and writes its record inline, before it says ``held``.
-    """
-
-    def __init__(self, read_fd: int, reply_fd: int, trainer_pid: int, *, strict: bool = False,
-                 ledger: str | None = None, heartbeat: float = DEFAULT_HEARTBEAT,
-                 check: Callable[[dict[str, Any], bool, int], dict[str, Any]] | None = None,
-                 ledger_io: LedgerIO | None = None, status: Callable[[], bytes] | None = None,
-                 locks: Callable[[dict[str, Any]], dict[str, str | None]] | None = None,
-                 offload: Callable[[Channel, bytearray], None] | None = None) -> None:
-        self.read_fd = read_fd
-        self.reply_fd = reply_fd
-        self.trainer_pid = trainer_pid
-        self.strict = strict
-        self._ledger_folder = ledger if strict else None  # a guard's own --ledger; the pipe's comes with the state
-        self._heartbeat = heartbeat
-        self._check = check
-        self._ledger_io = ledger_io
-        self._status = status
-        self._locks = locks
-        self._offload = offload  # a guard parses lines over OFFLOAD_BYTES on a worker: the loop never waits on one
-        self.parsing = False  # a line of this channel is being parsed elsewhere: the lines after it wait
-        self.state: dict[str, Any] | None = None
-        self.record: _RecordKeeper | None = None  # its trainer's record in the ledger folder, once it has one
-        self.disarmed = False
-        self.error: str | None = None
-        self.next_beat = float("inf")
-        self.pending = bytearray()  # the start of a line not yet ended
-        self._skipping = False  # the rest of a line over the bound is dropped up to its end
-        self.refusals = 0  # lines refused from a trainer that stays held
-        self._ledger_error: str | None = None
-        os.set_blocking(reply_fd, False)  # a trainer that does not read our word never stops us
-
-    @property
-    def token(self) -> str | None:
-        """The trainer's token (protocol 2), None before its first state or from an older trainer."""
-        token = (self.state or {}).get("trainer")
-        return token if isinstance(token, str) else None
-
-    def read(self) -> bool:
-        """Take what can be read; False when the channel has ended (end-of-file, disarm, ``error``)."""
-        try:
-            chunk = os.read(self.read_fd, 1 << 18)
-        except BlockingIOError:
-            return True
-        except OSError as exc:  # ECONNRESET: the peer is gone
-            if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
-                return True
-            chunk = b""
-        if not chunk:
-            return False
-        if self._skipping:
-            end = chunk.find(b"\n")
-            if end < 0:
-                return True
-            chunk, self._skipping = chunk[end + 1:], False
-        start = len(self.pending)
-        self.pending += chunk
-        return self._take_lines(start)
-
-    def _take_lines(self, start: int = 0) -> bool:
-        """Take the lines ended in ``pending`` (searched from ``start``: no quadratic rescans) until one
-        goes to be parsed elsewhere; False when the channel ends."""
-        end = self.pending.find(b"\n", start)
-        while end >= 0 and not self.parsing:
-            line = self.pending[:end]
-            del self.pending[:end + 1]
-            if not self._take_guarded(line):
-                return False
-            end = self.pending.find(b"\n")
-        if len(self.pending) > MAX_STATE_BYTES and not self.parsing:
-            self.pending.clear()
-            self._skipping = True
-            return self._bad(f"a line over {MAX_STATE_BYTES} bytes")
-        return True
-
-    def _bad(self, why: str, told: str | None = None) -> bool:
-        """A line that cannot be taken: skipped on the watchdog's pipe; on a guard's connection refused
-        (the peer is ``told`` why, else ``why``), and the end of the channel unless it holds a good state."""
-        if not self.strict:
-            return True
-        self.tell(REFUSED + b" " + (why if told is None else told).encode("utf-8", "replace"))
-        if self.state is None:
-            self.error = why
-            return False
-        self.refusals += 1
-        return True
-
-    def _take_guarded(self, line: bytearray) -> bool:
-        """``_take``, with whatever it raises ending only this line (and a strict channel)."""
-        try:
-            return self._take(line)
-        except Exception as exc:  # noqa: BLE001 - what a peer sends never stops the loop
-            return self._bad(f"a message that raised {type(exc).__name__}")
-
-    def _take(self, line: bytearray) -> bool:
-        """Apply one line; False when the channel ends (disarm, or a strict channel's bad line)."""
-        if line.endswith(CANCEL) or not line:
-            return True  # a line the trainer could write only in part and then ended: the next one replaces it
-        if self._offload is not None and len(line) > OFFLOAD_BYTES:
-            self.parsing = True
-            self._offload(self, line)  # a copy of its own; taken back by take_parsed, on the loop's thread
-            return True
-        try:
-            message = self.parse(line)
-        except BadLine as exc:
-            return self._bad(str(exc))
-        return self._apply(message, len(line))
-
-    def parse(self, line: bytes | bytearray) -> dict[str, Any]:
-        """``parse_line`` as this channel checks lines (any thread: it touches nothing of the channel's)."""
-        return parse_line(line, self.strict)
-
-    def take_parsed(self, parsed: dict[str, Any] | BadLine, size: int) -> bool:
-        """Apply a line parsed elsewhere, then the lines that waited behind it; False when the channel ends."""
-        self.parsing = False
-        try:
-            alive = self._bad(str(parsed)) if isinstance(parsed, BadLine) else self._apply(parsed, size)
-        except Exception as exc:  # noqa: BLE001 - what a peer sends never stops the loop
-            alive = self._bad(f"a message that raised {type(exc).__name__}")
-        return alive and self._take_lines()
-
-    def _apply(self, message: dict[str, Any], size: int) -> bool:
-        """Apply one parsed message; False when the channel ends."""
-        if message.get("disarm") is True:
-            self.disarmed = True
-            return False
-        if message.get("status") is True:  # a probe (swe-flush guard --status): how many trainers are held
-            self.tell(STATUS + b" %d " % os.getpid() + (self._status() if self._status else b"1"))
-            return True
-        state, seq = message.get("state"), message.get("seq")
-        if not isinstance(state, dict) or isinstance(seq, bool) or not isinstance(seq, int):
-            return self._bad("a message of the wrong shape")
-        if self._check is not None:
-            try:
-                state = self._check(state, self.state is None, size)
-            except ValueError as exc:
-                return self._bad(f"a state it refused: {exc}", told=str(exc))
-        if self.token is not None and state.get("trainer") != self.token:
-            return self._bad("a state of another trainer")
-        first = self.state is None
-        self.state = state
-        self.keep_record(state)  # first: once watchdog() or refresh() returns, recover() can see it
-        if first and self.record is not None:
-            self._run_ledger_io(self.record.remove_older)
-        version = message.get("v")
-        protocol = b" %d" % PROTOCOL if isinstance(version, int) and version >= 2 else b""  # 0.5.0 reads 2 words
-        self.tell(HELD + b" %d %d" % (seq, os.getpid()) + protocol)
-        return True
-
-    def tell(self, word: bytes) -> None:
-        """One line to the trainer; dropped when the trainer is gone or has not read for long."""
-        with contextlib.suppress(OSError):
-            os.write(self.reply_fd, word + b"\n")
-
-    def keep_record(self, state: dict[str, Any] | None = None) -> None:
-        """Write the ledger record (with ``state``, else a heartbeat)."""
-        if self.record is None and state is not None:
-            if self.strict:
-                folder, heartbeat = self._ledger_folder, self._heartbeat
-            else:
-                folder, heartbeat = state.get("ledger"), _positive(state.get("heartbeat"), DEFAULT_HEARTBEAT)
-            if isinstance(folder, str):
-                self.record = _RecordKeeper(folder, self.trainer_pid, heartbeat, self.token if self.strict else None,
-                                            self._locks(state) if self._locks is not None else None)
-        if self.record is None:
-            return
-        if state is not None:
-            self.record.update(state)
-        self.next_beat = time.monotonic() + self.record.heartbeat
-        self._run_ledger_io(self.record.write)
-
-    def _run_ledger_io(self, job: Callable[[], None]) -> None:
-        """Run a record write or removal: queued by a guard, else here, saying once per kind when it fails."""
-        if self._ledger_io is not None:
-            self._ledger_io(self, job)
-            return
-        error = io_error(job)
-        if error != self._ledger_error:
-            self._ledger_error = error
-            self.tell(LEDGER + b" " + (b"ok" if error is None else error.encode("utf-8", "replace")))
-            if error is not None:
-                _say(f"swe-flush watchdog for pid {self.trainer_pid}: cannot write the ledger record: {error}")
-
-    def flush(self, pairs: Mapping[str, tuple[str, ...]] | None = None, *, max_workers: int | None = None,
-              retries: int | None = None, runner: Runner | None = None) -> FlushReport | None:
-        """Flush the last state's pairs (or only ``pairs``: server -> ids), logging nothing (the
-        caller says one line); None when there was nothing to flush. ``max_workers`` caps the
-        requests in flight at once; ``retries`` replaces the trainer's (a guard that retries failed
-        flushes itself asks for none within an attempt); ``runner`` sends the requests (a guard's
-        shared HTTP workers) instead of a pool of the flush's own."""
-        state = self.state
-        if state is None or not state.get("ids") or not state.get("urls"):
-            return None
-        from swe_flush_sync import Flusher, FlushReport  # imported only now: the watchdog's wait stays lean
-        from swe_flush_sync._resolve import normalize_instance_ids
-
-        tokens = state.get("tokens")
-        options = dict(state.get("options") or {})
-        if isinstance(tokens, dict):
-            options["bearer"] = tokens.__getitem__  # a missing token fails that pair only
-        if max_workers is not None:
-            options["max_workers"] = min(options.get("max_workers") or max_workers, max_workers)
-        if retries is not None:
-            options["retries"] = retries
-        groups = {tuple(state["urls"]): tuple(state["ids"])} if pairs is None else \
-            {(url,): ids for url, ids in pairs.items()}
-        reports = []
-        for urls, ids in groups.items():
-            with Flusher(urls, linger=0.0, **options) as flusher:
-                reports.append(flusher._flush_ids(normalize_instance_ids(ids), flusher.options.deadline,
-                                                  runner=runner))
-        return FlushReport(results=tuple(result for report in reports for result in report.results),
-                           elapsed=sum(report.elapsed for report in reports))
-
-    def mark_gone(self) -> None:
-        """Say in the record that the trainer is gone and not yet flushed, so any recover may take it."""
-        if self.record is not None:
-            self.record.gone = True
-            self._run_ledger_io(self.record.write)
-
-    def settle(self, report: FlushReport | None) -> None:
-        """Remove the record after a flush that succeeded (or nothing to flush, or a disarm)."""
-        if self.record is not None and (report is None or report.ok):
-            self._run_ledger_io(self.record.remove)
-
-
-def io_error(job: Callable[[], None]) -> str | None:
-    """Run the file I/O ``job``; why it failed (the ``OSError``'s text), or None when it did not."""
-    try:
-        job()
-    except OSError as exc:
-        return exc.strerror or type(exc).__name__
-    return None
-
-
-def _positive(value: Any, default: float) -> float:
-    """``value`` if it is a finite number of seconds above 0.05, else ``default``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.05 <= value < float("inf"):
-        return default
-    return float(value)
-
-
-class WatchLoop:
-    """One thread, many channels (``selectors``): reads them, keeps their records' heartbeats, and
-    hands each one that ends to ``on_end``. The watchdog runs it over its one pipe; a guard adds a
-    listening socket (``on_ready`` for extra descriptors).
-
-    ``max_pending`` bounds the bytes of unfinished lines over all channels: a channel whose read
-    would pass it is ended (a strict one) or has its line dropped.
-    """
-
-    def __init__(self, on_end: Callable[[Channel], None], max_pending: int = 4 * MAX_STATE_BYTES) -> None:
-        self.selector = selectors.DefaultSelector()
-        self.channels: list[Channel] = []
-        self.pending = 0  # bytes of unfinished lines held over all channels
-        self.max_pending = max_pending
-        self._on_end = on_end
-
-    def add(self, channel: Channel) -> None:
-        self.selector.register(channel.read_fd, selectors.EVENT_READ, channel)
-        self.channels.append(channel)
-
-    def watch(self, fd: int, on_ready: Callable[[], None]) -> None:
-        """Call ``on_ready`` whenever ``fd`` is readable (a listening socket, a signal's wake-up pipe)."""
-        self.selector.register(fd, selectors.EVENT_READ, on_ready)
-
-    def unwatch(self, fd: int) -> None:
-        with contextlib.suppress(KeyError, ValueError):
-            self.selector.unregister(fd)
-
-    def pause(self, channel: Channel) -> None:
-        """Read no more of ``channel`` until ``resume`` (a line of it is parsed elsewhere meanwhile)."""
-        self.unwatch(channel.read_fd)
-
-    def resume(self, channel: Channel) -> None:
-        if channel in self.channels:
-            with contextlib.suppress(KeyError, ValueError):
-                self.selector.register(channel.read_fd, selectors.EVENT_READ, channel)
-
-    def take_parsed(self, channel: Channel, parsed: dict[str, Any] | BadLine, size: int) -> None:
-        """Hand ``channel`` a line parsed elsewhere (on the loop's thread) and read it again, or end it."""
-        if channel not in self.channels:
-            return  # ended meanwhile
-        before = len(channel.pending)
-        alive = channel.take_parsed(parsed, size)
-        self.pending += len(channel.pending) - before
-        if not alive:
-            self.end(channel)
-        elif not channel.parsing:
-            self.resume(channel)
-
-    def end(self, channel: Channel) -> None:
-        self.unwatch(channel.read_fd)
-        self.channels.remove(channel)
-        self.pending -= len(channel.pending)
-        channel.pending = bytearray()
-        self._on_end(channel)
-
-    def _serve(self, channel: Channel) -> None:
-        before = len(channel.pending)
-        try:
-            alive = channel.read()
-        except Exception as exc:  # noqa: BLE001 - a second wall: one channel's fault ends that channel only
-            channel.error = f"a message that raised {type(exc).__name__}"
-            alive = False
-        if alive and self.pending + len(channel.pending) - before > self.max_pending:
-            alive = channel._bad(f"more than the {self.max_pending >> 20} MiB all peers' unfinished lines may hold")
-        self.pending += len(channel.pending) - before
-        if not alive:
-            self.end(channel)
-
-    def run_once(self, timeout: float | None = None) -> None:
-        """Wait for something to read (at most ``timeout``, and never past a heartbeat); handle it."""
-        beats = [channel.next_beat for channel in self.channels]
-        if beats and min(beats) != float("inf"):
-            left = max(min(beats) - time.monotonic(), 0.0)
-            timeout = left if timeout is None else min(timeout, left)
-        for key, _ in self.selector.select(timeout):
-            if isinstance(key.data, Channel):
-                if key.data in self.channels:  # not ended meanwhile by a callback of this round
-                    self._serve(key.data)
-            else:
-                key.data()
-        now = time.monotonic()
-        for channel in self.channels:
-            if channel.next_beat <= now:
-                channel.keep_record()
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Entry point of the watchdog process (``--trainer-pid N --control-fd R --ready-fd W``)."""
-    for signum in IGNORED_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, IGNORED_SIGNALS)  # blocked by the trainer while it started us
-    args = dict(zip(*[iter(argv if argv is not None else sys.argv[1:])] * 2, strict=False))
-    trainer_pid = int(args["--trainer-pid"])
-    control_fd, ready_fd = int(args["--control-fd"]), int(args["--ready-fd"])
-    _detach()
-    ended: list[Channel] = []
-    loop = WatchLoop(ended.append)
-    channel = Channel(control_fd, ready_fd, trainer_pid)
-    loop.add(channel)
-    code, said = 0, ""
-    try:
-        while not ended:
-            loop.run_once()
-            if channel.state is not None and not _preloaded:
-                _preload()  # once it holds a state: while watchdog() returns
-        if channel.disarmed:
-            channel.settle(None)  # the trainer's own hook flushed everything
-        else:
-            sys.path[:] = (channel.state or {}).get("sys_path") or sys.path  # the trainer's swe_flush_sync
-            report = channel.flush()
-            code = 0 if report is None or report.ok else 1
-            said = "" if report is None else f"trainer gone; {report.summary()}"
-            channel.settle(report)
-    except Exception as exc:  # noqa: BLE001 - the last words of a process nobody waits for
-        code, said = 2, f"failed: {type(exc).__name__}"
-    if said:  # after the record is settled: a stalled stderr holds us at most SAY_TIMEOUT
-        _say(f"swe-flush watchdog for pid {trainer_pid}: {said}")
-    os._exit(code)  # no lingering worker thread (a DNS lookup, a connect) may hold the exit
-
-
-_preloaded: list[str] = []
-
-
-def _preload() -> None:
-    for module in PRELOADED:
-        importlib.import_module(module)
-    _preloaded.append("done")
+def _run_as_script() -> NoReturn:
+    """Import this file as a module of ``LEAN_PACKAGE`` (this folder, with no ``__init__`` run), so its
+    relative imports find its siblings, and run its ``main``."""
+    spec = importlib.machinery.ModuleSpec(LEAN_PACKAGE, None, is_package=True)
+    spec.submodule_search_locations = [os.path.dirname(os.path.abspath(__file__))]
+    sys.modules[LEAN_PACKAGE] = importlib.util.module_from_spec(spec)
+    importlib.import_module(f"{LEAN_PACKAGE}.{os.path.basename(__file__)[:-3]}").main()
+    raise AssertionError("main returned")  # it ends in os._exit
 
 
 if __name__ == "__main__":
-    main()
+    _run_as_script()

@@ -18,7 +18,7 @@ import pytest
 
 from swe_flush_sync import Watchdog, watchdog
 from swe_flush_sync._lifecycle import _close_cached_flushers
-from swe_flush_sync._watchdog_process import process_stat
+from swe_flush_sync._proc import process_stat
 from swe_flush_sync.testing import AgentServerStub
 
 SECRET = "s3cret-token-do-not-leak"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from swe_flush_sync._watchdog_process import PROTOCOL, encode_state
+from swe_flush_sync._wire import PROTOCOL, encode_state
 from swe_flush_sync.testing import AgentServerStub
 
 from .conftest import (
@@ -38,28 +38,32 @@ from swe_flush_sync import abort, flush_at_exit, flush_on_signal, watchdog
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a real crash below, but no core file
 args = argparse.Namespace(session_server_instance_ids={8000: "wd-a", 8001: "wd-b"},
                           session_server_instance_id="wd-c")
-def armed(guard):
-    print("ARMED", guard.pid, flush=True)
+def armed(dog):
+    print("ARMED", dog.pid, flush=True)
 def until(condition, timeout=20.0):
     end = time.monotonic() + timeout
     while not condition() and time.monotonic() < end:
         time.sleep(0.01)
     return condition()
-def refreshed(guard):
+def refreshed(dog):
     # refresh(), and the watchdog's word when it comes after the half second one call waits for it
     # (a loaded host): True once it holds the new state
-    return guard.refresh() or until(lambda: guard.armed)
+    return dog.refresh() or until(lambda: dog.armed)
 """
 
 
 class Trainer:
-    """A child trainer running ``PRELUDE + body`` in its own session, against ``stub``."""
+    """A child Python running ``PRELUDE + body`` (``prelude=False``: ``body`` alone) in its own session,
+    against ``stub``; ``contained``: as PID 1 of its own PID namespace (a container's main process)."""
 
-    def __init__(self, stub: AgentServerStub, body: str, *, stdin: bool = False, **env: str) -> None:
+    def __init__(self, stub: AgentServerStub, body: str, *, stdin: bool = False, prelude: bool = True,
+                 contained: bool = False, **env: str) -> None:
         environ = subprocess_env(**{"AGENT_SERVER_URL": stub.url, "HARBOR_ADMIN_SECRET": SECRET, **env})
-        self.proc = spawn([PYTHON, "-c", PRELUDE + textwrap.dedent(body)], stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, env=environ, start_new_session=True,
-                          stdin=subprocess.PIPE if stdin else None)
+        command = [PYTHON, "-c", (PRELUDE if prelude else "") + textwrap.dedent(body)]
+        if contained:
+            command = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", *command]
+        self.proc = spawn(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environ,
+                          start_new_session=True, stdin=subprocess.PIPE if stdin else None)
         self.watchdog_pid = 0
         self.lines: list[str] = []
 
@@ -147,18 +151,10 @@ def namespace_init(unshare: subprocess.Popen[str], timeout: float = 10) -> int:
     return found[0]
 
 
-def contained_trainer(stub: AgentServerStub, body: str, **env_vars: str) -> subprocess.Popen[str]:
-    """A trainer as PID 1 of its own PID namespace (a container's main process)."""
-    env = subprocess_env(AGENT_SERVER_URL=stub.url, HARBOR_ADMIN_SECRET=SECRET, **env_vars)
-    return spawn(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", PYTHON, "-c",
-                  PRELUDE + textwrap.dedent(body)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                 start_new_session=True)
-
-
 def guarded_trainer(stub: AgentServerStub, guard: GuardProcess, body: str = "time.sleep(60)", **env: str) -> Trainer:
     return Trainer(stub, f"""
-        guard = watchdog(args, guard={guard.socket!r}, until_idle=False)
-        print("ARMED", guard.pid, guard.armed, flush=True)
+        dog = watchdog(args, guard={guard.socket!r}, until_idle=False)
+        print("ARMED", dog.pid, dog.armed, flush=True)
         {body}
     """, **env)
 

@@ -45,7 +45,7 @@ log = logging.getLogger("trainer")
 def collect_until_enough(args): return []
 def train_on(samples): pass
 def main(args): pass
-atexit.register(lambda: print("WATCHDOGS", *[guard.pid for guard in _watchdog._watchdogs if not guard.guard],
+atexit.register(lambda: print("WATCHDOGS", *[dog.pid for dog in _watchdog._watchdogs if not dog.guard],
                               flush=True))
 """
 

@@ -26,7 +26,6 @@ from .helpers import (
     ENV,
     IDS,
     Trainer,
-    contained_trainer,
     guarded_trainer,
     namespace_init,
     needs_unshare,
@@ -59,11 +58,11 @@ def test_a_trainer_that_is_pid_1_of_its_container(stub: AgentServerStub, start_g
     arm = f"watchdog(args, guard={guard.socket!r}, until_idle=False)" if how == "guard=" \
         else "watchdog(args, until_idle=False)"
     env = {"SWE_FLUSH_GUARD": guard.socket} if how == "SWE_FLUSH_GUARD" else {}
-    unshare = contained_trainer(stub, f"""
+    unshare = Trainer(stub, f"""
         guard = {arm}
         print("ARMED", os.getpid(), guard.guard, flush=True)
         time.sleep(60)
-    """, **env)
+    """, contained=True, **env).proc
     init = namespace_init(unshare)
     assert unshare.stdout is not None
     assert unshare.stdout.readline().split() == ["ARMED", "1", guard.socket]
@@ -75,11 +74,11 @@ def test_a_trainer_that_is_pid_1_of_its_container(stub: AgentServerStub, start_g
 
 @needs_unshare
 def test_a_local_watchdog_armed_by_pid_1_warns(stub: AgentServerStub) -> None:
-    unshare = contained_trainer(stub, """
-        guard = watchdog(args, until_idle=False)  # no logging set up: warnings.warn reaches stderr anyway
+    unshare = Trainer(stub, """
+        dog = watchdog(args, until_idle=False)  # no logging set up: warnings.warn reaches stderr anyway
         print("ARMED", os.getpid(), flush=True)
-        guard.disarm()
-    """)
+        dog.disarm()
+    """, contained=True).proc
     _, err = unshare.communicate(timeout=30)
     assert "UserWarning: the watchdog" in err and "armed by PID 1 of its PID namespace" in err
     assert "swe-flush guard" in err
@@ -88,8 +87,8 @@ def test_a_local_watchdog_armed_by_pid_1_warns(stub: AgentServerStub) -> None:
 
 def test_disarm_then_death_flushes_nothing(stub: AgentServerStub, start_guard: StartGuard) -> None:
     guard = start_guard()
-    trainer = guarded_trainer(stub, guard, """guard.disarm()
-        print("DISARMED", guard.armed, flush=True)
+    trainer = guarded_trainer(stub, guard, """dog.disarm()
+        print("DISARMED", dog.armed, flush=True)
         time.sleep(60)""")
     trainer.read("ARMED")
     assert trainer.read("DISARMED")[1] == "False"
@@ -102,7 +101,7 @@ def test_disarm_then_death_flushes_nothing(stub: AgentServerStub, start_guard: S
 def test_refresh_then_death_flushes_the_new_ids(stub: AgentServerStub, start_guard: StartGuard) -> None:
     guard = start_guard()
     trainer = guarded_trainer(stub, guard, """args.session_server_instance_ids = {9: "wd-new"}
-        print("REFRESHED", refreshed(guard), flush=True)
+        print("REFRESHED", refreshed(dog), flush=True)
         time.sleep(60)""")
     trainer.read("ARMED")
     assert trainer.read("REFRESHED")[1] == "True"
@@ -118,8 +117,8 @@ def test_twelve_trainers_killed_at_once(stub: AgentServerStub, start_guard: Star
     for index in range(12):
         trainer = Trainer(stub, f"""
             args = argparse.Namespace(session_server_instance_ids={{1: "t{index}-a", 2: "t{index}-b"}})
-            guard = watchdog(args, guard={guard.socket!r}, until_idle=False)
-            print("ARMED", guard.pid, flush=True)
+            dog = watchdog(args, guard={guard.socket!r}, until_idle=False)
+            print("ARMED", dog.pid, flush=True)
             time.sleep(60)
         """)
         trainers.append(trainer)
@@ -152,15 +151,15 @@ def _status(guard: GuardProcess) -> tuple[int, int] | None:
 def test_a_restarted_guard_takes_the_trainer_back(stub: AgentServerStub, start_guard: StartGuard) -> None:
     first = start_guard()
     trainer = Trainer(stub, stdin=True, body=f"""
-        guard = watchdog(args, guard={first.socket!r}, until_idle=False)
-        print("ARMED", guard.pid, guard.armed, flush=True)
+        dog = watchdog(args, guard={first.socket!r}, until_idle=False)
+        print("ARMED", dog.pid, dog.armed, flush=True)
         second = int(sys.stdin.readline())
         started = time.monotonic()
-        while not (guard.armed and guard.pid == second) and time.monotonic() - started < 20:
+        while not (dog.armed and dog.pid == second) and time.monotonic() - started < 20:
             time.sleep(0.005)  # no refresh, no abort: the trainer reconnects by itself
-        print("BACK", guard.armed, guard.pid, round(time.monotonic() - started, 2), flush=True)
+        print("BACK", dog.armed, dog.pid, round(time.monotonic() - started, 2), flush=True)
         args.session_server_instance_id = "wd-later"
-        print("REFRESHED", refreshed(guard), guard.armed, flush=True)
+        print("REFRESHED", refreshed(dog), dog.armed, flush=True)
         time.sleep(60)
     """)
     trainer.read("ARMED")
@@ -185,8 +184,8 @@ def test_aborts_from_two_threads_while_the_guard_restarts_never_garble_a_line(
     guards = [start_guard()]
     trainer = Trainer(stub, stdin=True, body=f"""
         import threading
-        guard = watchdog(args, guard={guards[0].socket!r}, until_idle=False)
-        print("ARMED", guard.pid, flush=True)
+        dog = watchdog(args, guard={guards[0].socket!r}, until_idle=False)
+        print("ARMED", dog.pid, flush=True)
         stop = threading.Event()
 
         def hammer(attribute, make):
@@ -203,13 +202,13 @@ def test_aborts_from_two_threads_while_the_guard_restarts_never_garble_a_line(
             thread.start()
         for line in iter(sys.stdin.readline, "end\\n"):  # the pid of the guard restarted meanwhile
             started = time.monotonic()
-            while guard.pid != int(line) and time.monotonic() - started < 20:
+            while dog.pid != int(line) and time.monotonic() - started < 20:
                 time.sleep(0.01)
-            print("BACK", guard.pid, flush=True)
+            print("BACK", dog.pid, flush=True)
         stop.set()
         for thread in threads:
             thread.join()
-        print("DONE", guard.armed, flush=True)
+        print("DONE", dog.armed, flush=True)
         time.sleep(60)
     """)
     trainer.read("ARMED")
@@ -361,7 +360,7 @@ def test_a_disarm_removes_the_guards_record(stub: AgentServerStub, start_guard: 
                                             short_dir: Path) -> None:
     ledger = short_dir / "ledger"
     guard = start_guard("--ledger", str(ledger))
-    trainer = guarded_trainer(stub, guard, """guard.disarm()
+    trainer = guarded_trainer(stub, guard, """dog.disarm()
         print("DISARMED", flush=True)
         time.sleep(60)""")
     trainer.read("DISARMED")

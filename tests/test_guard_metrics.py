@@ -70,7 +70,7 @@ def test_a_failing_flush_is_counted_and_pending(stub: AgentServerStub, start_gua
         port = closed.getsockname()[1]  # nothing listens there once it is closed: the server is down
     guard = start_guard("--metrics", "0")
     trainer = Trainer(stub, AGENT_SERVER_URL=f"http://127.0.0.1:{port}", body=f"""
-        guard = watchdog(args, guard={guard.socket!r}, until_idle=False, deadline=2, retries=0)
+        dog = watchdog(args, guard={guard.socket!r}, until_idle=False, deadline=2, retries=0)
         print("ARMED", flush=True)
         time.sleep(60)
     """)

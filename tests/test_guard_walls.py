@@ -46,7 +46,6 @@ from .helpers import (
     a_state,
     answer,
     connect,
-    contained_trainer,
     guarded_trainer,
     impostor,
     namespace_init,
@@ -105,11 +104,11 @@ def test_a_path_taken_while_the_guard_restarts_gets_nothing(stub: AgentServerStu
     trainer = Trainer(stub, stdin=True, body=f"""
         import logging
         logging.basicConfig(level=logging.WARNING)
-        guard = watchdog(args, guard={path!r}, until_idle=False)
-        print("ARMED", guard.pid, flush=True)
+        dog = watchdog(args, guard={path!r}, until_idle=False)
+        print("ARMED", dog.pid, flush=True)
         sys.stdin.readline()
         abort(args, until_idle=False, deadline=2)  # says what the follower thread met
-        print("STEPPED", guard.armed, flush=True)
+        print("STEPPED", dog.armed, flush=True)
         time.sleep(60)
     """)
     trainer.read("ARMED")
@@ -284,12 +283,12 @@ def test_trainers_in_sibling_pid_namespaces_each_keep_a_record(stub: AgentServer
     assert read_until(guard, lambda line: line.startswith("guarding"), []) is not None
     trainers = []
     for index in range(2):
-        unshare = contained_trainer(stub, f"""
+        unshare = Trainer(stub, f"""
             args = argparse.Namespace(session_server_instance_ids={{1: "sib{index}-a", 2: "sib{index}-b"}})
-            guard = watchdog(args, guard={path!r}, until_idle=False)
+            dog = watchdog(args, guard={path!r}, until_idle=False)
             print("ARMED", flush=True)
             time.sleep(60)
-        """)
+        """, contained=True).proc
         trainers.append((unshare, namespace_init(unshare)))
         assert unshare.stdout is not None and unshare.stdout.readline().startswith("ARMED")
     assert wait_until(lambda: len(records(ledger)) == 2, 5.0)  # the guard sees both as pid 0: one record each
@@ -316,13 +315,13 @@ def test_a_guard_restart_takes_over_live_trainers_and_flushes_the_dead(stub: Age
     first = start_guard("--ledger", str(ledger), "--heartbeat", "1", "--takeover-grace", str(grace), **env)
     alive = Trainer(stub, f"""
         args = argparse.Namespace(session_server_instance_ids={{1: "long-a", 2: "long-b"}})
-        guard = watchdog(args, guard={first.socket!r}, until_idle=False)
+        dog = watchdog(args, guard={first.socket!r}, until_idle=False)
         print("ARMED", flush=True)
         time.sleep(120)  # one long rollout step: no refresh, no abort
     """)
     dying = Trainer(stub, f"""
         args = argparse.Namespace(session_server_instance_ids={{1: "dies-a", 2: "dies-b"}})
-        guard = watchdog(args, guard={first.socket!r}, until_idle=False)
+        dog = watchdog(args, guard={first.socket!r}, until_idle=False)
         print("ARMED", flush=True)
         time.sleep(120)
     """)
@@ -414,8 +413,8 @@ def test_a_full_fd_table_loses_no_flush(stub: AgentServerStub, short_dir: Path) 
     assert Counter(stub.flushed_ids()) == dict.fromkeys(IDS, 1) and all(r.status == 200 for r in stub.requests)
     after = Trainer(stub, f"""
         args = argparse.Namespace(session_server_instance_ids={{1: "after-a"}})
-        guard = watchdog(args, guard={path!r}, until_idle=False)
-        print("ARMED", guard.armed, flush=True)
+        dog = watchdog(args, guard={path!r}, until_idle=False)
+        print("ARMED", dog.armed, flush=True)
         time.sleep(60)
     """)
     assert after.read("ARMED")[1] == "True"  # a new trainer still arms
@@ -484,7 +483,7 @@ def test_a_slow_ledger_delays_no_other_flush(stub: AgentServerStub, short_dir: P
         other = Trainer(stub, f"""
             args = argparse.Namespace(session_server_instance_ids={{1: "other-a"}})
             started = time.monotonic()
-            guard = watchdog(args, guard={path!r}, until_idle=False)
+            dog = watchdog(args, guard={path!r}, until_idle=False)
             print("ARMED", round(time.monotonic() - started, 2), flush=True)
             time.sleep(60)
         """)
@@ -573,8 +572,8 @@ def test_a_busy_guard_keeps_its_path(start_guard: StartGuard) -> None:
 # -- the local watchdog's regression -------------------------------------------------------------------
 def test_a_stopped_local_watchdog_costs_abort_no_waiting(stub: AgentServerStub) -> None:
     trainer = Trainer(stub, stdin=True, body="""
-        guard = watchdog(args, until_idle=False)
-        armed(guard)
+        dog = watchdog(args, until_idle=False)
+        armed(dog)
         sys.stdin.readline()
         started = time.monotonic()
         for step in range(10):

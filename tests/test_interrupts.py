@@ -4,7 +4,6 @@ adapter."""
 from __future__ import annotations
 
 import signal
-import subprocess
 import textwrap
 import time
 from collections import Counter
@@ -15,38 +14,22 @@ from swe_flush_sync import FlushOptions, abort, flush
 from swe_flush_sync._transport import Transport
 from swe_flush_sync.testing import AgentServerStub
 
-from .conftest import PYTHON, SECRET, blocked_in, spawn, subprocess_env
+from .conftest import SECRET, blocked_in
+from .helpers import Trainer
 
 # -- real processes: Ctrl-C, exit, fork, signals under logging locks -------------------------------
 
-def run_child(stub: AgentServerStub, body: str, **env: str) -> subprocess.Popen[str]:
-    environ = subprocess_env(AGENT_SERVER_URL=stub.url, HARBOR_ADMIN_SECRET=SECRET, **env)
-    return spawn([PYTHON, "-c", textwrap.dedent(body)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environ)
-
-
-def wait_line(proc: subprocess.Popen[str], marker: str, timeout: float = 20) -> float:
-    assert proc.stdout is not None
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        line = proc.stdout.readline()
-        if line.strip() == marker:
-            return time.monotonic()
-        if not line:
-            break
-    proc.kill()
-    raise AssertionError(f"child never printed {marker}: {proc.stderr.read() if proc.stderr else ''}")
-
-
 def test_ctrl_c_during_a_long_flush_ends_the_process_at_once(stub: AgentServerStub) -> None:
     stub.fault("hung", hang=True)
-    proc = run_child(stub, """
+    child = Trainer(stub, """
         import os, sys
         from swe_flush_sync import flush
         print("READY", flush=True)
         flush(os.environ["AGENT_SERVER_URL"], ["hung", "a"], admin_secret=os.environ["HARBOR_ADMIN_SECRET"],
               deadline=30)
-    """)
-    wait_line(proc, "READY")
+    """, prelude=False)
+    proc = child.proc
+    child.read("READY")
     end = time.monotonic() + 10  # the flush is waiting on the hung id, "a" answered
     while not ({"hung", "a"} <= {r.instance_id for r in stub.requests} and "a" in stub.flushed_ids()):
         assert time.monotonic() < end, stub.requests
@@ -62,13 +45,15 @@ def test_ctrl_c_during_a_long_flush_ends_the_process_at_once(stub: AgentServerSt
 @pytest.mark.parametrize("fault", ["hang", "trickle"])
 def test_exit_is_never_held_by_a_timed_out_flush_that_lingers(stub: AgentServerStub, fault: str) -> None:
     stub.fault("slow", hang=fault == "hang", trickle=0.2 if fault == "trickle" else None)
-    proc = run_child(stub, """
+    child = Trainer(stub, """
         from swe_flush_sync import abort
         report = abort({"session_server_instance_ids": ["slow", "a"]}, deadline=0.5)  # linger 120 s
         assert "left in flight" in report.results[0].error, report.results[0].error
         print("DONE", flush=True)
-    """)
-    done = wait_line(proc, "DONE")
+    """, prelude=False)
+    proc = child.proc
+    child.read("DONE")
+    done = time.monotonic()
     proc.communicate(timeout=10)
     took = time.monotonic() - done
     print(f"[timing] exited {took:.2f}s after the call returned")
@@ -78,7 +63,7 @@ def test_exit_is_never_held_by_a_timed_out_flush_that_lingers(stub: AgentServerS
 
 
 def test_abort_in_a_forked_child_works_and_the_parent_is_unaffected(stub: AgentServerStub) -> None:
-    proc = run_child(stub, """
+    child = Trainer(stub, """
         import os, time
         from swe_flush_sync import abort
         args = {"session_server_instance_ids": {8000: "a", 8001: "b"}}
@@ -92,7 +77,8 @@ def test_abort_in_a_forked_child_works_and_the_parent_is_unaffected(stub: AgentS
         assert os.waitstatus_to_exitcode(status) == 0, status
         assert abort(args, deadline=2).ok
         print("OK", flush=True)
-    """)
+    """, prelude=False)
+    proc = child.proc
     out, err = proc.communicate(timeout=20)
     assert proc.returncode == 0 and "OK" in out, err
     assert Counter(stub.flushed_ids()) == {"a": 2, "b": 2, "child-1": 1, "child-2": 1}
@@ -119,7 +105,7 @@ LOCK_SCENARIOS = {
 @pytest.mark.parametrize("scenario", sorted(LOCK_SCENARIOS))
 def test_sigterm_while_a_logging_lock_is_held(stub: AgentServerStub, scenario: str) -> None:
     ids = [f"inst-{n}" for n in range(6)]
-    proc = run_child(stub, f"""
+    child = Trainer(stub, f"""
         import logging, sys, time
         from swe_flush_sync import flush_on_signal
         handler = logging.StreamHandler(sys.stderr)
@@ -129,8 +115,9 @@ def test_sigterm_while_a_logging_lock_is_held(stub: AgentServerStub, scenario: s
         print("READY", flush=True)
     """ + textwrap.indent(textwrap.dedent(LOCK_SCENARIOS[scenario]), "        ") + """
         time.sleep(30)
-    """)
-    wait_line(proc, "READY")
+    """, prelude=False)
+    proc = child.proc
+    child.read("READY")
     time.sleep(0.3)
     blocked_in(proc.pid)  # (a scenario may keep it from its sleep: then it is signalled where it is)
     sent = time.monotonic()

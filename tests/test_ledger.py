@@ -189,10 +189,10 @@ def test_no_file_in_the_ledger_holds_a_secret(stub_factory: Callable[..., AgentS
     master = "scoped-master-secret-" + "m" * 20
     server = stub_factory(scoped_secret=master)
     trainer = Trainer(server, f"""
-        guard = watchdog(args, ledger={str(tmp_path)!r})
-        armed(guard)
+        dog = watchdog(args, ledger={str(tmp_path)!r})
+        armed(dog)
         args.session_server_instance_ids = {{8003: "wd-d"}}
-        guard.refresh()
+        dog.refresh()
         print("REFRESHED", flush=True)
         time.sleep(60)
     """, HARBOR_ADMIN_SECRET="", HARBOR_RUN_SECRET=master)
@@ -211,20 +211,20 @@ def test_heartbeat_and_disarm(stub: AgentServerStub, tmp_path: Path, monkeypatch
                               arm_in_process: Callable[..., Watchdog]) -> None:
     monkeypatch.setattr(watchdog_module, "DEFAULT_HEARTBEAT", 0.2)
     args = argparse.Namespace(session_server_instance_ids={1: "hb-a"})
-    guard = arm_in_process(args, environ={"AGENT_SERVER_URL": stub.url}, ledger=str(tmp_path / "new" / "ledger"))
+    dog = arm_in_process(args, environ={"AGENT_SERVER_URL": stub.url}, ledger=str(tmp_path / "new" / "ledger"))
     [record] = records(tmp_path / "new" / "ledger")  # the directory is made
     first = json.loads(record.read_text())["heartbeat"]
     assert wait_until(lambda: json.loads(record.read_text())["heartbeat"] > first, 2.0)
-    guard.disarm()
-    assert wait_until(lambda: not record.exists(), 1.0) and wait_until(lambda: gone(guard.pid), 1.0)
+    dog.disarm()
+    assert wait_until(lambda: not record.exists(), 1.0) and wait_until(lambda: gone(dog.pid), 1.0)
     assert stub.requests == []
 
 
 def test_the_environment_names_the_ledger(stub: AgentServerStub, tmp_path: Path,
                                           arm_in_process: Callable[..., Watchdog]) -> None:
     args = argparse.Namespace(session_server_instance_ids={1: "env-a"})
-    guard = arm_in_process(args, environ={"AGENT_SERVER_URL": stub.url, "SWE_FLUSH_LEDGER": str(tmp_path)})
-    assert guard.ledger == str(tmp_path) and len(records(tmp_path)) == 1
+    dog = arm_in_process(args, environ={"AGENT_SERVER_URL": stub.url, "SWE_FLUSH_LEDGER": str(tmp_path)})
+    assert dog.ledger == str(tmp_path) and len(records(tmp_path)) == 1
 
 
 def test_nothing_to_do_and_bad_arguments(tmp_path: Path) -> None:

@@ -22,7 +22,6 @@ from .helpers import (
     ENV,
     IDS,
     Trainer,
-    contained_trainer,
     namespace_init,
     needs_unshare,
     records,
@@ -126,13 +125,13 @@ def test_watchdog_refuses_a_ledger_others_may_write(stub: AgentServerStub, tmp_p
     assert stub.requests == []
 
     made = tmp_path / "made" / "ledger"
-    guard = arm_in_process(args, environ=env, ledger=str(made))
+    dog = arm_in_process(args, environ=env, ledger=str(made))
     assert oct(made.stat().st_mode & 0o777) == "0o700"
-    guard.disarm()
+    dog.disarm()
     kept = tmp_path / "kept"
     kept.mkdir()
     kept.chmod(0o750)
-    guard = arm_in_process(args, environ=env, ledger=str(kept))
+    dog = arm_in_process(args, environ=env, ledger=str(kept))
     assert oct(kept.stat().st_mode & 0o777) == "0o750"
 
 
@@ -140,11 +139,11 @@ def test_watchdog_refuses_a_ledger_others_may_write(stub: AgentServerStub, tmp_p
 def test_a_live_trainer_in_another_pid_namespace_is_left_alone(stub: AgentServerStub, tmp_path: Path) -> None:
     for instance_id in IDS:
         stub.add_trials(instance_id, 2)
-    unshare = contained_trainer(stub, f"""
-        guard = watchdog(args, ledger={str(tmp_path)!r})
-        print("ARMED", os.getpid(), guard.pid, flush=True)
+    unshare = Trainer(stub, f"""
+        dog = watchdog(args, ledger={str(tmp_path)!r})
+        print("ARMED", os.getpid(), dog.pid, flush=True)
         time.sleep(60)
-    """)
+    """, contained=True).proc
     init = namespace_init(unshare)
     try:
         assert unshare.stdout is not None

@@ -21,7 +21,7 @@ import pytest
 
 from swe_flush_sync import FlushReport, FlushResult, abort, watchdog
 from swe_flush_sync import _watchdog as watchdog_module
-from swe_flush_sync._watchdog_process import HELD, PROTOCOL
+from swe_flush_sync._wire import HELD, PROTOCOL
 from swe_flush_sync.testing import AgentServerStub
 
 from .conftest import SECRET, StartGuard, blocked_in, wait_until

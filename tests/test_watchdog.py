@@ -18,7 +18,7 @@ from collections.abc import Callable
 import pytest
 
 from swe_flush_sync import ConfigError, Watchdog, watchdog
-from swe_flush_sync._watchdog_process import process_stat
+from swe_flush_sync._proc import process_stat
 from swe_flush_sync.testing import AgentServerStub
 
 from .conftest import SECRET, _watchdog_pids, blocked_in, gone, proc_stat, proc_status, wait_until
@@ -73,9 +73,9 @@ def stays_idle(pid: int, window: float, timeout: float) -> bool:
 def test_watchdog_survives_signals_and_waits_without_cpu(stub: AgentServerStub) -> None:
     trainer = Trainer(stub, """
         started = time.monotonic()
-        guard = watchdog(args, until_idle=False)
+        dog = watchdog(args, until_idle=False)
         print("TOOK", time.monotonic() - started, flush=True)
-        armed(guard)
+        armed(dog)
         time.sleep(60)
     """)
     took = float(trainer.read("TOOK")[1])
@@ -128,11 +128,11 @@ def _rss_kib(pid: int) -> int:
 
 def test_disarm_then_sigkill_flushes_nothing(stub: AgentServerStub) -> None:
     trainer = Trainer(stub, """
-        guard = watchdog(args)
-        armed(guard)
-        guard.disarm()
-        guard.disarm()  # idempotent
-        print("DISARMED", guard.armed, flush=True)
+        dog = watchdog(args)
+        armed(dog)
+        dog.disarm()
+        dog.disarm()  # idempotent
+        print("DISARMED", dog.armed, flush=True)
         time.sleep(60)
     """)
     pid = trainer.armed()
@@ -145,12 +145,12 @@ def test_disarm_then_sigkill_flushes_nothing(stub: AgentServerStub) -> None:
 
 def test_refresh_hands_over_changed_ids(stub: AgentServerStub) -> None:
     trainer = Trainer(stub, """
-        guard = watchdog(args, until_idle=False)
-        armed(guard)
-        unchanged = guard.refresh()
+        dog = watchdog(args, until_idle=False)
+        armed(dog)
+        unchanged = dog.refresh()
         args.session_server_instance_ids = {8002: "wd-new"}
         args.session_server_instance_id = None
-        print("REFRESHED", unchanged, refreshed(guard), guard.refresh(), flush=True)
+        print("REFRESHED", unchanged, refreshed(dog), dog.refresh(), flush=True)
         time.sleep(60)
     """)
     pid = trainer.armed()
@@ -163,12 +163,12 @@ def test_refresh_hands_over_changed_ids(stub: AgentServerStub) -> None:
 
 def test_abort_hands_the_new_ids_to_the_watchdog(stub: AgentServerStub) -> None:
     trainer = Trainer(stub, """
-        guard = watchdog(args, until_idle=False)
-        armed(guard)
+        dog = watchdog(args, until_idle=False)
+        armed(dog)
         args.session_server_instance_ids = {8002: "wd-new"}
         args.session_server_instance_id = None
         # abort handed them over: once the watchdog holds them, a refresh has nothing new to hand
-        print("ABORTED", abort(args).ok, until(lambda: guard.armed), guard.refresh(), flush=True)
+        print("ABORTED", abort(args).ok, until(lambda: dog.armed), dog.refresh(), flush=True)
         time.sleep(60)
     """)
     pid = trainer.armed()
@@ -212,12 +212,12 @@ def test_a_hook_that_failed_leaves_the_watchdog_armed(stub: AgentServerStub) -> 
 
 def test_a_forked_child_does_not_hide_the_death(stub: AgentServerStub) -> None:
     trainer = Trainer(stub, """
-        guard = watchdog(args, until_idle=False)
-        armed(guard)
+        dog = watchdog(args, until_idle=False)
+        armed(dog)
         child = os.fork()
         if child == 0:  # a data loader, say: lives on after the trainer is killed
             known = sys.modules["swe_flush_sync._watchdog"]._watchdogs
-            print("CHILD", os.getpid(), guard.armed, len(known), flush=True)
+            print("CHILD", os.getpid(), dog.armed, len(known), flush=True)
             time.sleep(60)
             os._exit(0)
         time.sleep(60)
@@ -298,38 +298,38 @@ def test_a_killed_watchdog_is_noticed_and_rearmed(arm: Callable[..., Watchdog], 
                                                  caplog: pytest.LogCaptureFixture, stub: AgentServerStub) -> None:
     from swe_flush_sync import abort
 
-    guard = arm(args)
-    ended = guard.pid
+    dog = arm(args)
+    ended = dog.pid
     os.kill(ended, signal.SIGKILL)
-    assert wait_until(lambda: not guard.armed, 10.0)
+    assert wait_until(lambda: not dog.armed, 10.0)
     with caplog.at_level("WARNING", logger="swe_flush_sync"):
         abort(args, environ={}, deadline=1)  # the same ids as before: the death is said all the same
-        _watchdog_pids.append(guard.pid)
-        assert caplog.text.count(f"the watchdog process (pid {ended}) had ended; re-armed as pid {guard.pid}") == 1
-        assert guard.pid != ended and guard.armed and arm(args) is guard
+        _watchdog_pids.append(dog.pid)
+        assert caplog.text.count(f"the watchdog process (pid {ended}) had ended; re-armed as pid {dog.pid}") == 1
+        assert dog.pid != ended and dog.armed and arm(args) is dog
         for _ in range(3):
             abort(args, environ={}, deadline=1)
         assert caplog.text.count("had ended") == 1  # once per watchdog that ended
-        os.kill(guard.pid, signal.SIGKILL)
-        assert wait_until(lambda: not guard.armed, 10.0)
+        os.kill(dog.pid, signal.SIGKILL)
+        assert wait_until(lambda: not dog.armed, 10.0)
         abort(args, environ={}, deadline=1)
-        _watchdog_pids.append(guard.pid)
-    assert caplog.text.count("had ended") == 2 and guard.armed
+        _watchdog_pids.append(dog.pid)
+    assert caplog.text.count("had ended") == 2 and dog.armed
     assert stub.requests == []  # SIGKILLed watchdogs flush nothing
 
 
 def test_fork_in_this_process(arm: Callable[..., Watchdog], args: argparse.Namespace,
                               stub: AgentServerStub) -> None:
-    guard = arm(args)
+    dog = arm(args)
     with warnings.catch_warnings():  # 3.12+ warns of a fork while threads run (3.15 raises it under -W error)
         warnings.simplefilter("ignore", DeprecationWarning)
         child = os.fork()
     if child == 0:
-        os._exit(0 if not guard.armed and not guard.refresh() else 1)
+        os._exit(0 if not dog.armed and not dog.refresh() else 1)
     _, status = os.waitpid(child, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     time.sleep(0.3)
-    assert guard.armed and stub.requests == []  # the child's exit is not the trainer's death
+    assert dog.armed and stub.requests == []  # the child's exit is not the trainer's death
 
 
 @pytest.mark.parametrize(("options", "environ", "message"), [
@@ -351,15 +351,15 @@ def test_misspelt_option_is_a_type_error(args: argparse.Namespace) -> None:
 
 def test_disarming_a_stopped_watchdog_kills_it(arm: Callable[..., Watchdog], args: argparse.Namespace,
                                                stub: AgentServerStub) -> None:
-    guard = arm(args)
-    os.kill(guard.pid, signal.SIGSTOP)  # it reads nothing any more: the pipe fills up
+    dog = arm(args)
+    os.kill(dog.pid, signal.SIGSTOP)  # it reads nothing any more: the pipe fills up
     args.session_server_instance_ids = {n: f"wd-{n:06d}-" + "x" * 40 for n in range(2000)}  # ~100 KB a message
-    guard.refresh()
+    dog.refresh()
     args.session_server_instance_id = "wd-more"
-    guard.refresh()  # cannot be written in full: the rest waits for room
+    dog.refresh()  # cannot be written in full: the rest waits for room
     started = time.monotonic()
-    guard.disarm()
+    dog.disarm()
     assert time.monotonic() - started < 2.0  # bounded, never blocked on the pipe
-    assert wait_until(lambda: gone(guard.pid), 1.0) and not guard.armed
+    assert wait_until(lambda: gone(dog.pid), 1.0) and not dog.armed
     time.sleep(0.3)
     assert stub.requests == []  # killed, not flushed

@@ -20,7 +20,7 @@ import pytest
 
 from swe_flush_sync import Watchdog, abort, recover
 from swe_flush_sync import _watchdog as watchdog_module
-from swe_flush_sync._watchdog_process import process_stopped as stopped
+from swe_flush_sync._proc import process_stopped as stopped
 from swe_flush_sync.testing import AgentServerStub
 
 from .conftest import PYTHON, SECRET, _watchdog_pids, blocked_in, gone, spawn, subprocess_env, wait_until
@@ -71,15 +71,15 @@ def test_sigterm_hook_never_waits_on_a_thread_stuck_in_user_code(stub: AgentServ
 
 def test_part_of_a_state_reaches_the_watchdog_after_a_stop(stub: AgentServerStub) -> None:
     trainer = Trainer(stub, stdin=True, body=f"""
-        guard = watchdog(args, until_idle=False, deadline=20)
-        armed(guard)
+        dog = watchdog(args, until_idle=False, deadline=20)
+        armed(dog)
         sys.stdin.readline()  # the test stops the watchdog
         args.session_server_instance_ids = {BIG}
         started = time.monotonic()
-        print("STOPPED", guard.refresh(), guard.armed, round(time.monotonic() - started, 2), flush=True)
+        print("STOPPED", dog.refresh(), dog.armed, round(time.monotonic() - started, 2), flush=True)
         sys.stdin.readline()  # the test lets it go on
-        confirmed = refreshed(guard)  # the watchdog, running again, catches up with the pipe (loaded: a while)
-        print("AGAIN", confirmed, guard.armed, flush=True)
+        confirmed = refreshed(dog)  # the watchdog, running again, catches up with the pipe (loaded: a while)
+        print("AGAIN", confirmed, dog.armed, flush=True)
         time.sleep(60)
     """)
     pid = trainer.armed()
@@ -188,18 +188,18 @@ def test_a_record_that_cannot_be_written_is_said(arm_in_process: Callable[..., W
     monkeypatch.setattr(watchdog_module, "DEFAULT_HEARTBEAT", 0.2)
     ledger = tmp_path / "ledger"
     args = argparse.Namespace(session_server_instance_id="hb-a")
-    guard = arm_in_process(args, environ={"AGENT_SERVER_URL": stub.url}, ledger=str(ledger))
-    assert guard.ledger_error is None and len(records(ledger)) == 1
+    dog = arm_in_process(args, environ={"AGENT_SERVER_URL": stub.url}, ledger=str(ledger))
+    assert dog.ledger_error is None and len(records(ledger)) == 1
     shutil.rmtree(ledger)  # the volume went away (a full one says ENOSPC the same way)
-    assert wait_until(lambda: guard.armed and guard.ledger_error is not None, 10.0)
-    assert "No such file or directory" in (guard.ledger_error or "")
+    assert wait_until(lambda: dog.armed and dog.ledger_error is not None, 10.0)
+    assert "No such file or directory" in (dog.ledger_error or "")
     with caplog.at_level("WARNING", logger="swe_flush_sync"):
         for _ in range(3):
             abort(args, environ={})
             time.sleep(0.25)  # more failed heartbeats
-    assert caplog.text.count("cannot write its ledger record") == 1 and guard.armed
+    assert caplog.text.count("cannot write its ledger record") == 1 and dog.armed
     ledger.mkdir(mode=0o700)  # heartbeats are retried: the record comes back
-    assert wait_until(lambda: guard.armed and guard.ledger_error is None and len(records(ledger)) == 1, 10.0)
+    assert wait_until(lambda: dog.armed and dog.ledger_error is None and len(records(ledger)) == 1, 10.0)
     assert stub.requests == []
 
 
@@ -219,11 +219,11 @@ def test_a_fork_during_arming_never_hides_the_death(stub: AgentServerStub) -> No
         forker = threading.Thread(target=fork_meanwhile)
         forker.start()
         arming.set()
-        guard = watchdog(args, until_idle=False)
+        dog = watchdog(args, until_idle=False)
         arming.clear()
         forker.join()
         print("CHILDREN", *children, flush=True)
-        armed(guard)
+        armed(dog)
         time.sleep(60)
     """)
     children = [int(pid) for pid in trainer.read("CHILDREN")[1:]]
@@ -243,18 +243,18 @@ def test_a_fork_during_arming_never_hides_the_death(stub: AgentServerStub) -> No
 def test_descriptors_closed_and_reused_are_never_ours(stub: AgentServerStub, tmp_path: Path) -> None:
     log_file = tmp_path / "app.log"
     trainer = Trainer(stub, f"""
-        guard = watchdog(args, until_idle=False)
-        armed(guard)
+        dog = watchdog(args, until_idle=False)
+        armed(dog)
         os.closerange(3, 256)  # daemonizing code
         logs = [open({str(log_file)!r}, "a") for _ in range(4)]  # takes the freed numbers
         args.session_server_instance_id = "wd-after"
-        print("CLOSED", guard.refresh(), guard.armed, flush=True)
+        print("CLOSED", dog.refresh(), dog.armed, flush=True)
         for handle in logs:
             handle.write("still mine\\n")
             handle.flush()
         print("WROTE", flush=True)
         report = abort(args, deadline=5)  # re-arms
-        print("REARMED", report.ok, guard.armed, guard.pid, flush=True)
+        print("REARMED", report.ok, dog.armed, dog.pid, flush=True)
         time.sleep(60)
     """)
     trainer.armed()
@@ -292,24 +292,24 @@ def test_big_records_and_long_ids_are_recovered(stub: AgentServerStub, tmp_path:
 def test_a_stopped_watchdog_costs_one_state_and_no_waiting(stub: AgentServerStub) -> None:
     trainer = Trainer(stub, stdin=True, body="""
         import tracemalloc
-        guard = watchdog(args, until_idle=False, deadline=20)
-        armed(guard)
+        dog = watchdog(args, until_idle=False, deadline=20)
+        armed(dog)
         sys.stdin.readline()
         tracemalloc.start()
         started = time.monotonic()
         for step in range(60):
             args.session_server_instance_ids = {n: f"s{step:02d}-{n:05d}-" + "x" * 70 for n in range(2000)}
-            guard.refresh()
+            dog.refresh()
         took = time.monotonic() - started
         held, _ = tracemalloc.get_traced_memory()
         print("STEPS", round(took, 2), held, flush=True)
         sys.stdin.readline()
         end = time.monotonic() + 20  # the resumed watchdog catches up with what waited in its pipe
-        confirmed = guard.refresh()
-        while not guard.armed and time.monotonic() < end:
-            confirmed = guard.refresh() or confirmed
+        confirmed = dog.refresh()
+        while not dog.armed and time.monotonic() < end:
+            confirmed = dog.refresh() or confirmed
             time.sleep(0.01)
-        print("AGAIN", confirmed, guard.armed, flush=True)
+        print("AGAIN", confirmed, dog.armed, flush=True)
         time.sleep(60)
     """)
     pid = trainer.armed()
@@ -333,10 +333,10 @@ def test_arming_with_stdio_closed(stub: AgentServerStub, tmp_path: Path) -> None
     out = tmp_path / "out.txt"
     script = PRELUDE + textwrap.dedent(f"""
         with open({str(out)!r}, "w") as note:
-            guard = watchdog(args, until_idle=False)
-            note.write(f"ARMED {{guard.pid}} {{guard.armed}}\\n")
+            dog = watchdog(args, until_idle=False)
+            note.write(f"ARMED {{dog.pid}} {{dog.armed}}\\n")
             args.session_server_instance_id = "wd-late"
-            note.write(f"REFRESHED {{refreshed(guard)}}\\n")
+            note.write(f"REFRESHED {{refreshed(dog)}}\\n")
         time.sleep(60)
     """)
     env = subprocess_env(AGENT_SERVER_URL=stub.url, HARBOR_ADMIN_SECRET=SECRET)
@@ -357,8 +357,8 @@ def test_sigterm_during_arming_flushes_each_pair_once(stub: AgentServerStub, del
     trainer = Trainer(stub, """
         flush_on_signal(args, until_idle=False)
         print("ARMING", flush=True)
-        guard = watchdog(args, until_idle=False)
-        armed(guard)
+        dog = watchdog(args, until_idle=False)
+        armed(dog)
         time.sleep(60)
     """)
     trainer.read("ARMING")

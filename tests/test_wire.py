@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from swe_flush_sync import ConfigError, FlushOptions
 from swe_flush_sync._guard import _SerialWorker, checked_state
 from swe_flush_sync._watchdog import _Source
-from swe_flush_sync._watchdog_process import (
+from swe_flush_sync._wire import (
     MAX_CONTAINERS,
     MAX_IDS,
     MAX_ITEMS,
