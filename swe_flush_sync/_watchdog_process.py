@@ -73,7 +73,6 @@ def main(argv: list[str] | None = None) -> None:
     os._exit(code)  # no lingering worker thread (a DNS lookup, a connect) may hold the exit
 
 
-
 def _detach() -> None:
     """Double fork into a new session; only the grandchild returns (the others exit, reaped)."""
     child = os.fork()
