@@ -84,7 +84,7 @@ class Channel:
         self._offload = offload  # a guard parses lines over OFFLOAD_BYTES on a worker: the loop never waits on one
         self.parsing = False  # a line of this channel is being parsed elsewhere: the lines after it wait
         self.state: dict[str, Any] | None = None
-        self.record: RecordKeeper | None = None  # its trainer's record in the ledger folder, once it has one
+        self.keeper: RecordKeeper | None = None  # keeps its trainer's record in the ledger folder, once it has one
         self.disarmed = False
         self.error: str | None = None
         self.next_beat = float("inf")
@@ -202,8 +202,8 @@ class Channel:
         first = self.state is None
         self.state = state
         self.keep_record(state)  # first: once watchdog() or refresh() returns, recover() can see it
-        if first and self.record is not None:
-            self._run_ledger_io(self.record.remove_older)
+        if first and self.keeper is not None:
+            self._run_ledger_io(self.keeper.remove_older)
         version = message.get("v")
         protocol = b" %d" % PROTOCOL if isinstance(version, int) and version >= 2 else b""  # 0.5.0 reads 2 words
         self.tell(HELD + b" %d %d" % (seq, os.getpid()) + protocol)
@@ -216,20 +216,20 @@ class Channel:
 
     def keep_record(self, state: dict[str, Any] | None = None) -> None:
         """Write the ledger record (with ``state``, else a heartbeat)."""
-        if self.record is None and state is not None:
+        if self.keeper is None and state is not None:
             if self.strict:
                 folder, heartbeat = self._ledger_folder, self._heartbeat
             else:
                 folder, heartbeat = state.get("ledger"), _positive(state.get("heartbeat"), DEFAULT_HEARTBEAT)
             if isinstance(folder, str):
-                self.record = RecordKeeper(folder, self.trainer_pid, heartbeat, self.token if self.strict else None,
+                self.keeper = RecordKeeper(folder, self.trainer_pid, heartbeat, self.token if self.strict else None,
                                             self._locks(state) if self._locks is not None else None)
-        if self.record is None:
+        if self.keeper is None:
             return
         if state is not None:
-            self.record.update(state)
-        self.next_beat = time.monotonic() + self.record.heartbeat
-        self._run_ledger_io(self.record.write)
+            self.keeper.update(state)
+        self.next_beat = time.monotonic() + self.keeper.heartbeat
+        self._run_ledger_io(self.keeper.write)
 
     def _run_ledger_io(self, job: Callable[[], None]) -> None:
         """Run a record write or removal: queued by a guard, else here, saying once per kind when it fails."""
@@ -276,14 +276,14 @@ class Channel:
 
     def mark_gone(self) -> None:
         """Say in the record that the trainer is gone and not yet flushed, so any recover may take it."""
-        if self.record is not None:
-            self.record.gone = True
-            self._run_ledger_io(self.record.write)
+        if self.keeper is not None:
+            self.keeper.gone = True
+            self._run_ledger_io(self.keeper.write)
 
     def settle(self, report: FlushReport | None) -> None:
         """Remove the record after a flush that succeeded (or nothing to flush, or a disarm)."""
-        if self.record is not None and (report is None or report.ok):
-            self._run_ledger_io(self.record.remove)
+        if self.keeper is not None and (report is None or report.ok):
+            self._run_ledger_io(self.keeper.remove)
 
 
 def io_error(job: Callable[[], None]) -> str | None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from swe_flush_sync._proc import Place
 from swe_flush_sync._wire import PROTOCOL, encode_state
 from swe_flush_sync.testing import AgentServerStub
 
@@ -119,9 +120,8 @@ def write_record(folder: Path, name: str, ids: list[object], url: str, *, host: 
 
 def here() -> dict[str, object]:
     """The record fields that place a process in this host, boot and PID namespace."""
-    with open("/proc/sys/kernel/random/boot_id") as handle:
-        boot = handle.read().strip()
-    return {"host": socket.gethostname(), "boot_id": boot, "pid_ns": os.stat("/proc/self/ns/pid").st_ino}
+    place = Place.here()
+    return {"host": place.host, "boot_id": place.boot_id, "pid_ns": place.pid_ns}
 
 
 def _unshare_works() -> bool:
