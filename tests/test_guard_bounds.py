@@ -139,7 +139,7 @@ def test_a_record_a_recover_took_ends_its_retries(short_dir: Path) -> None:
 
     class Dead:
         trainer_pid = 4321
-        record = Keeper()
+        keeper = Keeper()
         flushed = 0
 
         def flush(self, *args: object, **kwargs: object) -> None:
