@@ -24,9 +24,10 @@ from ._logs import log_report
 from ._options import FlushOptions
 from ._proc import Place, alive, process_start_time
 from ._record import RECORD_SUFFIX, BadRecord, Record, UntrustedRecord
-from ._report import FlushReport, FlushResult
+from ._report import FlushReport
 from ._resolve import (
     URL_ENV_VARS,
+    normalize_instance_ids,
     normalize_server_urls,
     redact_url,
     resolve_bearer,
@@ -81,11 +82,7 @@ class _Ledger:
         self.claim = f"{CLAIM_MARK}{self.here.host}.{self.here.pid_ns}.{os.getpid()}.{started}"
 
     def candidates(self, now: float) -> list[tuple[str, Record]]:
-        """Claim every trusted record whose owner is gone; its (claimed path, record).
-
-        Bad records are moved aside; records another user could have written, or that name a
-        server this ``recover`` was not given, are left where they are, with a warning.
-        """
+        """Claim (rename) every usable record whose owner is gone; (claimed path, record) each."""
         claimed = []
         for name in sorted(os.listdir(self.folder)):
             path = os.path.join(self.folder, name)
@@ -168,8 +165,8 @@ class _Ledger:
         return os.path.basename(aside)
 
     def settle(self, claimed: list[tuple[str, Record]], report: FlushReport) -> list[str]:
-        """Remove each claimed record whose pairs all flushed (move it aside when some of its ids were
-        set aside); give the others back for a later recover. What was set aside, one line a record."""
+        """Remove each claimed record that flushed (aside, if ids were set aside), give back the others;
+        a line per record set aside."""
         ok = {(result.server_url, result.instance_id) for result in report.results if result.ok}
         set_aside = []
         for path, record in claimed:
@@ -195,23 +192,17 @@ def recover(ledger: str, *, servers: str | Iterable[str] | None = None, environ:
 
     Call it at start-up, before arming the watchdog, with the ledger on storage that outlives the
     pod (the checkpoint volume). The bearer (from ``environ``) goes only to ``servers``: a record
-    naming any other server is left where it is, with a warning, since whoever wrote the file
-    would otherwise get the secret. The ledger directory must be owned by this user (or root) and
-    writable by no one else, as must each record (OpenSSH's StrictModes rules); a record that
-    fails them is left alone with a warning.
+    naming another server is left alone with a warning. The directory and each record must be
+    owned by this user (or root) and writable by no one else (OpenSSH's StrictModes rules).
 
-    An owner is gone when its keeper (a guard whose flush failed) marked it so; when, in this host,
-    boot and PID namespace, its trainer is dead (a zombie not yet reaped counts as dead) and its
-    watchdog or guard is not alive to flush it; anywhere else (another host, another container on
-    this host), or when its guard could not see the trainer's pid (a sibling PID namespace), when
-    its heartbeat is older than three intervals (30 s by default). Records of live owners are left
-    alone. The pairs of every gone record are flushed
-    in one parallel call (until idle by default); a record whose pairs all flushed is removed, the
-    others stay for the next ``recover``. Two recovers at once never flush the same record (each
-    claims a record by renaming it). A record that cannot be read is moved aside to ``*.bad``
-    with one warning naming the file; values in a record's ids that are not ids (not text) are set
-    aside the same way after its other ids flushed, and said in ``report.error``. Every id
-    ``abort`` would flush is taken (one rule for what an id is).
+    An owner is gone when its keeper marked it so; when the lock files of a guard's record prove it;
+    when, in this host, boot and PID namespace, its trainer is dead (a zombie
+    counts) and its watchdog or guard is not alive; anywhere else, when its heartbeat is older
+    than three intervals (30 s by default). The pairs of every gone record are flushed in one
+    parallel call (until idle by default); a record whose pairs all flushed is removed, the others
+    stay for the next ``recover``. Two recovers never flush the same record (each claims it by a
+    rename). A record that cannot be read is moved aside to ``*.bad`` with a warning; values in
+    its ids that are not text are set aside the same way once its other ids flushed.
 
     Args:
         ledger: the ledger directory. Missing or empty: nothing to do.
@@ -245,10 +236,8 @@ def recover_with(ledger: str, servers: str | Iterable[str] | None, environ: Mapp
                  flush_options: FlushOptions, judge: Judge | None = None,
                  on_claimed: Callable[[int], None] | None = None, quiet: bool = False,
                  runner: Runner | None = None) -> FlushReport:
-    """``recover`` with its options built, ``judge`` deciding which records are gone and
-    ``on_claimed`` told how many records were claimed, once they are flushed and settled (a guard's,
-    which is also ``quiet``: it logs nothing and says its own lines, and sends the requests with
-    ``runner``, its shared HTTP workers)."""
+    """``recover`` with built options and a guard's hooks: ``judge`` of which records are gone,
+    ``on_claimed`` told how many were flushed and settled, ``quiet`` (no log) and ``runner``."""
     report = _recover(ledger, servers, environ, flush_options, judge, on_claimed, runner)
     if not quiet and (report.results or report.error):
         log_report(report)
@@ -282,7 +271,10 @@ def _recover(ledger: str, servers: str | Iterable[str] | None, environ: Mapping[
         return FlushReport(elapsed=time.monotonic() - started, error=book.skipped())
     if flush_options.bearer_provider is None:
         flush_options = dataclasses.replace(flush_options, bearer=resolve_bearer(env))
-    report = _flush_records([record for _, record in claimed], flush_options, runner)
+    groups: dict[tuple[str, ...], dict[str, None]] = {}
+    for _, record in claimed:
+        groups.setdefault(record.urls, {}).update(dict.fromkeys(record.ids))
+    report = flush_groups(groups, flush_options, runner)
     set_aside = book.settle(claimed, report)
     if on_claimed is not None:
         on_claimed(len(claimed))  # after the flush and the records settled
@@ -291,22 +283,20 @@ def _recover(ledger: str, servers: str | Iterable[str] | None, environ: Mapping[
                        error="; ".join([*set_aside, *([skipped] if skipped else [])]) or None)
 
 
-def _flush_records(records: list[Record], options: FlushOptions, runner: Runner | None = None) -> FlushReport:
-    """One parallel flush of every record's pairs: one call per distinct set of servers, all at once
-    (with a ``runner``, one set after another, each sent by the runner's workers)."""
-    groups: dict[tuple[str, ...], dict[str, None]] = {}
-    for record in records:
-        groups.setdefault(record.urls, {}).update(dict.fromkeys(record.ids))
+def flush_groups(groups: Mapping[tuple[str, ...], Iterable[str]], options: FlushOptions,
+                 runner: Runner | None = None) -> FlushReport:
+    """Flush each set of servers' ids, logging nothing: every set at once on threads of its own, or
+    one after another through ``runner`` (a guard's shared HTTP workers)."""
+    started = time.monotonic()
 
-    def flush_group(urls: tuple[str, ...], ids: dict[str, None]) -> FlushReport:
+    def flush_group(urls: tuple[str, ...], ids: Iterable[str]) -> FlushReport:
         with Flusher.from_options(urls, options) as flusher:
-            return flusher._flush_ids(tuple(ids), options.deadline, runner=runner)  # logged once, by recover
+            return flusher._flush_ids(normalize_instance_ids(list(ids)), options.deadline, runner=runner)
 
     if runner is not None:
         reports = [flush_group(urls, ids) for urls, ids in groups.items()]
-        return FlushReport(results=tuple(result for report in reports for result in report.results))
-
-    with ThreadPoolExecutor(len(groups), thread_name_prefix="swe-flush-recover", initializer=block_signals) as pool:
-        reports = list(pool.map(flush_group, groups.keys(), groups.values()))
-    results: tuple[FlushResult, ...] = tuple(result for report in reports for result in report.results)
-    return FlushReport(results=results)
+    else:
+        with ThreadPoolExecutor(len(groups), thread_name_prefix="swe-flush-recover", initializer=block_signals) as pool:
+            reports = list(pool.map(flush_group, groups.keys(), groups.values()))
+    return FlushReport(results=tuple(result for report in reports for result in report.results),
+                       elapsed=time.monotonic() - started)

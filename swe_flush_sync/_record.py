@@ -63,12 +63,8 @@ class Record:
 
     def write(self, path: str) -> None:
         """Write it to ``path`` atomically: a temporary file beside it, fsync, rename, fsync the folder."""
-        fields = {"version": RECORD_VERSION, "urls": list(self.urls), "ids": list(self.ids), "host": self.place.host,
-                  "pid": self.pid, "start_time": self.start_time, "boot_id": self.place.boot_id,
-                  "pid_ns": self.place.pid_ns, "watchdog_pid": self.watchdog_pid,
-                  "watchdog_start_time": self.watchdog_start_time, "heartbeat": self.heartbeat,
-                  "heartbeat_interval": self.heartbeat_interval, "trainer": self.trainer, "gone": self.gone,
-                  "trainer_lock": self.trainer_lock, "guard_lock": self.guard_lock}
+        fields = {"version": RECORD_VERSION, **dataclasses.asdict(self), **dataclasses.asdict(self.place)}
+        del fields["place"], fields["set_aside"]
         folder = os.path.dirname(path) or "."
         temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -143,12 +139,9 @@ class Record:
                    set_aside=f"{invalid} of its ids set aside (not text)" if invalid else None)
 
     def owner_gone(self, here: Place, now: float) -> bool:
-        """Marked gone by its keeper. Else, for a guard's record, what the locks prove (see
-        ``_liveness``): a live guard's record is that guard's to flush; a trainer whose lock is held
-        lives, however long it has been stopped and in whatever PID namespace; one whose lock is
-        free is gone. Else (no lock, or none that can be examined here), in this host, boot and
-        PID namespace, its keeper is not alive to flush and the trainer is dead (or a zombie, or
-        another process); anywhere else, or when the trainer's pid meant nothing to its guard, the
+        """Marked gone by its keeper; else what the locks prove (a live guard's record is its own; a
+        trainer lives while its lock is held); else, in this host, boot and PID namespace, its keeper
+        is not alive and the trainer is dead; else (elsewhere, or a pid its guard could not see) the
         heartbeat is stale."""
         if self.gone:
             return True
@@ -170,9 +163,7 @@ class Record:
 
 
 def _valid_ids(values: list[Any]) -> tuple[tuple[str, ...], int]:
-    """The ids a flush may take, deduplicated, and how many values were not ids. One rule for what
-    an id is (``normalize_instance_ids``: a non-empty str; None and "" are skipped), as ``abort``, the
-    watchdog and the guard apply it."""
+    """The ids a flush may take (``abort``'s rule), deduplicated, and how many values were not ids."""
     ids: dict[str, None] = {}
     invalid = 0
     for value in values:
@@ -192,14 +183,9 @@ def _field(raw: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any
 
 
 class RecordKeeper:
-    """One trainer's record in a ledger folder, kept by its watchdog or guard.
-
-    ``update`` takes a new state (on the loop's thread); ``write`` and ``remove`` do the file I/O,
-    wherever the loop runs it (inline for a watchdog, on a writer thread for a guard). A guard
-    names the record by the trainer's ``token`` (a restarted guard's record replaces its
-    predecessor's) and gives the ``locks`` that prove life; a watchdog's is named by the trainer's
-    host, pid and start time (unique on a host across pid reuse) and its own pid.
-    """
+    """One trainer's record in a ledger folder, kept by its watchdog or guard: ``update`` takes a
+    state, ``write`` and ``remove`` do the file I/O. A guard's record is named by the trainer's
+    ``token``; a watchdog's by the trainer's host, pid and start time, and its own pid."""
 
     def __init__(self, folder: str, trainer_pid: int, heartbeat: float, token: str | None = None,
                  locks: Mapping[str, str | None] | None = None) -> None:
@@ -234,7 +220,7 @@ class RecordKeeper:
             os.unlink(self.path)
 
     def remove_older(self) -> None:
-        """Remove this trainer's records kept by watchdogs that are gone (a guard's record has one name)."""
+        """Remove this trainer's records kept by watchdogs that are gone."""
         if self._base.trainer is not None:
             return
         folder, mine = os.path.split(self.path)

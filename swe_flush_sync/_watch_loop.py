@@ -13,7 +13,7 @@ import selectors
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 from ._record import DEFAULT_HEARTBEAT, RecordKeeper
@@ -40,8 +40,7 @@ SAY_TIMEOUT: Final = 0.5  # seconds a line to the inherited stderr may take (a r
 
 
 def say(line: str) -> None:
-    """One line on the inherited stderr, given up after ``SAY_TIMEOUT``: a closed, broken or full
-    one (a launcher that stopped reading) never keeps the watchdog from going on or exiting."""
+    """One line on the inherited stderr, given up after ``SAY_TIMEOUT`` (a full or broken one)."""
     if sys.stderr is None:  # fd 2 was closed when the trainer started us
         return
     writer = threading.Thread(target=write_all, args=(2, (line + "\n").encode("utf-8", "replace")), daemon=True)
@@ -56,13 +55,10 @@ LedgerIO = Callable[["Channel", Callable[[], None]], None]
 class Channel:
     """One trainer's control channel: the lines it sends, our word back, its ledger record.
 
-    ``strict`` (a guard's connections): a malformed line, a line over the bound, a message of the
-    wrong shape or a state ``check`` refuses is answered ``refused WHY``; from a peer that never
-    handed a good state over it ends the channel (``error`` says why), while a trainer already held
-    keeps its last good state (held, and flushed at its death). Otherwise (the watchdog's own
-    pipe, written only by its trainer) such a line is skipped. A guard passes its
-    own ``ledger`` folder, ``heartbeat`` and ``ledger_io``; the watchdog's pipe brings its ledger
-    with the state and writes its record inline, before it says ``held``.
+    ``strict`` (a guard's connection): a bad line is answered ``refused WHY``, and ends the channel
+    unless it already holds a good state (``error`` says why). Otherwise (the watchdog's own pipe)
+    a bad line is skipped. A guard passes its own ``ledger``, ``heartbeat`` and ``ledger_io``; the
+    watchdog's ledger comes with the state, and its record is written before it says ``held``.
     """
 
     def __init__(self, read_fd: int, reply_fd: int, trainer_pid: int, *, strict: bool = False,
@@ -121,8 +117,7 @@ class Channel:
         return self._take_lines(start)
 
     def _take_lines(self, start: int = 0) -> bool:
-        """Take the lines ended in ``pending`` (searched from ``start``: no quadratic rescans) until one
-        goes to be parsed elsewhere; False when the channel ends."""
+        """Take the lines ended in ``pending`` (from ``start``) until one is offloaded; False when it ends."""
         end = self.pending.find(b"\n", start)
         while end >= 0 and not self.parsing:
             line = self.pending[:end]
@@ -137,8 +132,7 @@ class Channel:
         return True
 
     def _bad(self, why: str, told: str | None = None) -> bool:
-        """A line that cannot be taken: skipped on the watchdog's pipe; on a guard's connection refused
-        (the peer is ``told`` why, else ``why``), and the end of the channel unless it holds a good state."""
+        """A line that cannot be taken (see the class); the peer is ``told`` why, else ``why``."""
         if not self.strict:
             return True
         self.tell(REFUSED + b" " + (why if told is None else told).encode("utf-8", "replace"))
@@ -173,7 +167,7 @@ class Channel:
         return parse_line(line, self.strict)
 
     def take_parsed(self, parsed: dict[str, Any] | BadLine, size: int) -> bool:
-        """Apply a line parsed elsewhere, then the lines that waited behind it; False when the channel ends."""
+        """Apply a line parsed elsewhere, then the lines behind it; False when the channel ends."""
         self.parsing = False
         try:
             alive = self._bad(str(parsed)) if isinstance(parsed, BadLine) else self._apply(parsed, size)
@@ -232,7 +226,7 @@ class Channel:
         self._run_ledger_io(self.keeper.write)
 
     def _run_ledger_io(self, job: Callable[[], None]) -> None:
-        """Run a record write or removal: queued by a guard, else here, saying once per kind when it fails."""
+        """Run a record write or removal (a guard queues it), saying each new failure once."""
         if self._ledger_io is not None:
             self._ledger_io(self, job)
             return
@@ -245,16 +239,14 @@ class Channel:
 
     def flush(self, pairs: Mapping[str, tuple[str, ...]] | None = None, *, max_workers: int | None = None,
               retries: int | None = None, runner: Runner | None = None) -> FlushReport | None:
-        """Flush the last state's pairs (or only ``pairs``: server -> ids), logging nothing (the
-        caller says one line); None when there was nothing to flush. ``max_workers`` caps the
-        requests in flight at once; ``retries`` replaces the trainer's (a guard that retries failed
-        flushes itself asks for none within an attempt); ``runner`` sends the requests (a guard's
-        shared HTTP workers) instead of a pool of the flush's own."""
+        """Flush the last state's pairs (or ``pairs``: server -> ids) without logging; None when there
+        were none. ``max_workers`` caps the requests in flight, ``retries`` replaces the trainer's,
+        ``runner`` sends them (a guard's shared HTTP workers)."""
         state = self.state
         if state is None or not state.get("ids") or not state.get("urls"):
             return None
-        from swe_flush_sync import Flusher, FlushReport  # imported only now: the watchdog's wait stays lean
-        from swe_flush_sync._resolve import normalize_instance_ids
+        from swe_flush_sync._ledger import flush_groups  # imported only now: the watchdog's wait stays lean
+        from swe_flush_sync._options import FlushOptions
 
         tokens = state.get("tokens")
         options = dict(state.get("options") or {})
@@ -264,15 +256,9 @@ class Channel:
             options["max_workers"] = min(options.get("max_workers") or max_workers, max_workers)
         if retries is not None:
             options["retries"] = retries
-        groups = {tuple(state["urls"]): tuple(state["ids"])} if pairs is None else \
-            {(url,): ids for url, ids in pairs.items()}
-        reports = []
-        for urls, ids in groups.items():
-            with Flusher(urls, linger=0.0, **options) as flusher:
-                reports.append(flusher._flush_ids(normalize_instance_ids(ids), flusher.options.deadline,
-                                                  runner=runner))
-        return FlushReport(results=tuple(result for report in reports for result in report.results),
-                           elapsed=sum(report.elapsed for report in reports))
+        groups: Mapping[tuple[str, ...], Iterable[str]] = {tuple(state["urls"]): state["ids"]} if pairs is None \
+            else {(url,): ids for url, ids in pairs.items()}
+        return flush_groups(groups, FlushOptions(**options, linger=0.0), runner)
 
     def mark_gone(self) -> None:
         """Say in the record that the trainer is gone and not yet flushed, so any recover may take it."""
@@ -303,12 +289,9 @@ def _positive(value: Any, default: float) -> float:
 
 
 class WatchLoop:
-    """One thread, many channels (``selectors``): reads them, keeps their records' heartbeats, and
-    hands each one that ends to ``on_end``. The watchdog runs it over its one pipe; a guard adds a
-    listening socket (``on_ready`` for extra descriptors).
-
-    ``max_pending`` bounds the bytes of unfinished lines over all channels: a channel whose read
-    would pass it is ended (a strict one) or has its line dropped.
+    """One thread, many channels (``selectors``): reads them, keeps their heartbeats, and hands each
+    one that ends to ``on_end``. ``max_pending`` bounds the bytes of unfinished lines over all
+    channels: a read that would pass it counts as a bad line.
     """
 
     def __init__(self, on_end: Callable[[Channel], None], max_pending: int = 4 * MAX_STATE_BYTES) -> None:

@@ -1,16 +1,10 @@
 """``watchdog``: a process that flushes the trainer's ids when the trainer dies, however it dies.
 
-The trainer side: starts the watchdog process (``_watchdog_process``) as a fresh interpreter, or
-connects to a ``swe-flush guard`` outside the container; hands it the servers, ids and bearers
-over a pipe (or socket) only the trainer holds, and again when they change (``refresh``;
-``abort`` does it too, and re-arms one that ended). The watchdog confirms each state it holds
-whole. A forked child closes its copies at once, so it never hides the trainer's death. The exit
-hook, and a signal hook when the process dies of its signal, disarm the watchdogs whose pairs
-they flushed, so each pair is flushed once.
-
-A ``Watchdog`` is a facade: the line protocol and its buffers are a ``Link``
-(``_watchdog_link``, where the threading rules are), and what differs between a local process
-and a guard is its ``End`` (``_watchdog_ends``).
+The trainer's side: a ``Watchdog`` hands the servers, ids and bearers to a watchdog process
+(``_watchdog_process``) or a ``swe-flush guard``, and again when they change (``refresh``, ``abort``).
+It is a facade over a ``Link`` (the line protocol; ``_watchdog_link`` has the threading rules) and
+an ``End`` (what differs between a process and a guard: ``_watchdog_ends``). The exit and signal
+hooks disarm the watchdogs whose pairs they flushed, so each pair is flushed once.
 """
 from __future__ import annotations
 
@@ -19,6 +13,7 @@ import logging
 import os
 import secrets
 import sys
+import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
 
@@ -45,6 +40,7 @@ log = logging.getLogger(__name__)
 
 LEDGER_ENV_VAR: Final = "SWE_FLUSH_LEDGER"
 _watchdogs: list[Watchdog] = []  # every watchdog not disarmed, lost ones included (abort re-arms them)
+_arming = threading.RLock()  # held by watchdog() (re-entrant: a signal handler may arm meanwhile)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +54,8 @@ class _Source:
     token: str  # names this trainer to a guard across reconnects and restarts
 
     def state(self, *, lock: bool, last: bytes) -> tuple[bytes, frozenset[tuple[str, str]]]:
-        """The state the watchdog needs to flush now, and its pairs (``lock``: a liveness lock is held;
-        ``last``: the state last queued, checked already). Runs user code: call it with no lock held."""
+        """The state to hand over and its pairs (``last``, the state last queued, is not checked again).
+        Runs user code: call it with no lock held."""
         env = os.environ if self.environ is None else self.environ
         urls = resolve_server_urls(env)
         ids = resolve_instance_ids(self.args)
@@ -183,9 +179,15 @@ class Watchdog:
     def rearm(self) -> None:
         """Arm again a watchdog that ended (``abort`` calls it): a new process, at most once a minute
         after a failure, or one more try to reach the guard (a thread retries every 0.1 s meanwhile).
-        Nothing while it is linked. Never raises: what happened is said at the next ``abort``."""
-        if not self.linked:
-            self._end.rearm(self._start)
+        Nothing while it is linked or being armed by another thread. Never raises: what happened is
+        said at the next ``abort``."""
+        if not _arming.acquire(blocking=False):
+            return
+        try:
+            if not self.linked:
+                self._end.rearm(self._start)
+        finally:
+            _arming.release()
 
     def disarm(self) -> None:
         """Let the watchdog exit without flushing (within a second); its ledger record is removed.
@@ -221,9 +223,7 @@ class Watchdog:
             self._ledger_error = error
 
     def _start(self, patience: float | None = None) -> None:
-        """Start the watchdog process, or connect to the guard, hand it the state and wait (up to
-        ``patience``, default ``ARM_TIMEOUT``) until it says it holds it whole; on failure, release
-        what was taken and raise ``FlushError`` (or ``ConfigError`` for a bad state)."""
+        """Open the link, hand over the state and wait up to ``patience`` until it is held; or raise."""
         patience = ARM_TIMEOUT if patience is None else patience
         try:
             self._end.prepare()
@@ -262,11 +262,7 @@ def _tokens(provider: Any, ids: tuple[str, ...]) -> dict[str, str]:
 
 
 def _ledger_folder(ledger: str | None, environ: Mapping[str, str]) -> str | None:
-    """The ledger directory (argument, else ``SWE_FLUSH_LEDGER``), created with mode 0700 if missing
-    (an existing one's mode is never changed); None when neither is set.
-
-    A directory another user owns or may write is refused: ``recover`` would not trust it.
-    """
+    """The ledger directory (argument, else ``SWE_FLUSH_LEDGER``), made 0700 if missing; or None."""
     folder = ledger if ledger is not None else (environ.get(LEDGER_ENV_VAR) or "").strip() or None
     if folder is None:
         return None
@@ -318,7 +314,8 @@ def watchdog(args: Any, *, guard: str | None = None, environ: Mapping[str, str] 
             record of the ids for ``recover()`` (a guard keeps records in its own ``--ledger``).
 
     Returns:
-        The armed ``Watchdog``; the same one when called again for the same ``args``.
+        The armed ``Watchdog``; the same one when called again for the same ``args`` (from any
+        thread: one watchdog per ``args``; one that has not confirmed its state yet is handed it).
 
     Raises:
         ConfigError: a bad option, bad ``args``, a bad ``guard`` path, no agent server configured,
@@ -339,21 +336,24 @@ def watchdog(args: Any, *, guard: str | None = None, environ: Mapping[str, str] 
         raise ConfigError(f"watchdog: no agent server configured ({' and '.join(URL_ENV_VARS)} unset)")
     socket_path = _guard_path(guard, env)
     ledger = None if socket_path is not None else _ledger_folder(flush_options.ledger, env)
-    with link_module.LOCK:
-        known = [dog for dog in _watchdogs if dog.args is args]
-        keeper = known[0] if known else Watchdog(args, environ, flush_options, ledger, socket_path)
-        if known and keeper.armed:
-            return keeper
-        if not known:
-            _watchdogs.append(keeper)  # before it starts: a signal hook meanwhile can disarm it
-    try:
-        keeper._start()
-    except BaseException:
+    with _arming:  # one arming at a time: two threads arming one args never start two watchdogs
         with link_module.LOCK:
-            if keeper in _watchdogs:
-                _watchdogs.remove(keeper)
-        raise
-    return keeper
+            known = [dog for dog in _watchdogs if dog.args is args]
+            keeper = known[0] if known else Watchdog(args, environ, flush_options, ledger, socket_path)
+            if not known:
+                _watchdogs.append(keeper)  # before it starts: a signal hook meanwhile can disarm it
+        if known and keeper.linked:  # armed, or not confirming now (stopped, busy): never a second one
+            if not keeper.armed:
+                keeper.refresh()
+            return keeper
+        try:
+            keeper._start()
+        except BaseException:
+            with link_module.LOCK:
+                if keeper in _watchdogs:
+                    _watchdogs.remove(keeper)
+            raise
+        return keeper
 
 
 def _guard_path(guard: str | None, environ: Mapping[str, str]) -> str | None:
@@ -370,9 +370,7 @@ def _guard_path(guard: str | None, environ: Mapping[str, str]) -> str | None:
 
 
 def hand_over_to_watchdogs(args: Any, *, rearm: bool = True) -> None:
-    """Hand the current ids of ``args`` to its watchdogs, if any (cheap when unchanged); ``rearm``
-    (``abort``, not the hooks) starts a new process for one found ended. Never raises: whatever goes
-    wrong is said at the next ``abort`` (the flush that follows goes on regardless)."""
+    """Hand the ids of ``args`` to its watchdogs (``rearm``: re-arm ended ones); never raises."""
     try:
         _refresh_watchdogs(args, rearm)
     except FlushError as exc:  # a watchdog's trouble never costs the flush
@@ -409,6 +407,8 @@ def disarm_flushed(report: FlushReport) -> None:
 
 
 def _after_fork_in_child() -> None:
+    global _arming
+    _arming = threading.RLock()
     _watchdogs.clear()  # (the links and ends forget themselves: see their modules)
 
 

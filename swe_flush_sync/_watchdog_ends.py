@@ -1,11 +1,7 @@
-"""The two far ends a ``Watchdog`` links to: a local watchdog process, or a ``swe-flush guard``.
-
-Both take a ``Link``'s ends, and answer the same questions at the same points of a watchdog's
-life (see ``End``). A ``ProcessEnd`` spawns the watchdog process over two pipes, knows when it is
-stopped, kills it when it cannot read a disarm, and starts another for one that ended. A
-``GuardEnd`` holds the trainer's liveness lock, checks who listens on the socket and what protocol
-it speaks, follows it with a daemon thread that reconnects when it comes back, and says why it
-refused a state.
+"""The two far ends a ``Watchdog`` links to, behind one interface (``End``): a ``ProcessEnd`` spawns
+a local watchdog process over two pipes (and kills or respawns it); a ``GuardEnd`` reaches a
+``swe-flush guard``'s socket (liveness lock, peer and protocol checks, a follower thread that
+reconnects, refusals).
 """
 from __future__ import annotations
 
@@ -62,8 +58,7 @@ class End:
         raise NotImplementedError
 
     def opened(self, held: bool, process: subprocess.Popen[bytes] | None, payload: bytes, patience: float) -> None:
-        """After the first state was handed over (``held``: confirmed): unless a disarm retired the
-        link meanwhile, close it and raise ``FlushError`` if it was not held."""
+        """After the first state was handed over: unless retired meanwhile, raise if it was not ``held``."""
 
     def before_refresh(self, payload: bytes) -> None:
         """Before ``payload`` is handed over by a refresh."""
@@ -186,9 +181,7 @@ class GuardEnd(End):
         self._said: set[str] = set()  # warnings said once (until a reconnect succeeds)
 
     def prepare(self) -> None:
-        """Hold a ``flock`` next to the guard's socket for as long as this trainer lives (once). A
-        guard, a restarted one too, never flushes a trainer whose lock is held, and flushes at once
-        one whose lock is free. Where it cannot be held, guards judge this trainer by the older rules."""
+        """Hold a ``flock`` next to the socket while this trainer lives (once): a guard flushes it when free."""
         if self.liveness is not None:
             return
         with link_module.FORK_LOCK:  # a child forked meanwhile must not keep the lock's descriptor
@@ -200,12 +193,8 @@ class GuardEnd(End):
                                        "heartbeat")
 
     def open(self, patience: float) -> None:
-        """Connect to the guard's socket, trying for up to ``patience`` (a sidecar may start later).
-
-        Raises:
-            ImpostorError: another user listens there; nothing was sent.
-            FlushError: no guard answered in time.
-        """
+        """Connect, trying for up to ``patience`` (a sidecar may start later); ``FlushError`` (or
+        ``ImpostorError``: another user listens there) when it cannot."""
         give_up_at = time.monotonic() + patience
         while True:
             with link_module.FORK_LOCK:  # no fork between the socket's creation and its registration
@@ -295,8 +284,7 @@ class GuardEnd(End):
                          f"trainer's {PROTOCOL}: upgrade it to this swe_flush_sync version or later")
 
     def _follow(self, stop: threading.Event) -> None:
-        """The follower thread: it notices within a second that the guard went away and reconnects as
-        soon as its socket is back. It never ends before a disarm, whatever one turn of it meets."""
+        """The follower thread: notices a lost guard and reconnects; it ends only at a disarm."""
         while not stop.is_set():
             try:
                 with link_module.LOCK:
@@ -313,8 +301,8 @@ class GuardEnd(End):
             stop.wait(RECONNECT_INTERVAL)
 
     def _reconnect(self, wait: float) -> bool:
-        """Connect to the guard again and hand it the last state; True when it holds it. Runs no user
-        code (the follower thread calls it). Waits up to ``wait`` for a reconnect already under way."""
+        """Hand the last state (no user code) to the guard again; True when held. Waits up to ``wait``
+        for a reconnect under way."""
         acquired = self._reconnecting.acquire(True, wait) if wait > 0 else self._reconnecting.acquire(False)
         if not acquired:
             return False

@@ -1,10 +1,6 @@
-"""The trainer's line link to its watchdog: the ends it writes and reads, what is still to be
-written, and what the watchdog (or guard) said it holds.
-
-The trainer writes one line per state (``{"seq": N, "v": PROTOCOL, "state": {...}}``) or a
-disarm; the far end answers ``held SEQ PID PROTOCOL`` once it holds a state whole, ``refused WHY``
-when it will not, and ``ledger ok|WHY``. A newer state replaces one not written yet; a line cut by
-that is ended with ``CANCEL`` first, and the far end drops it.
+"""The trainer's line link to its watchdog or guard (the protocol is ``_wire``'s): its ends, what is
+still to be written, and what the far end said it holds. A newer state replaces one not written
+yet; a line cut by that is ended with ``CANCEL`` first, and the far end drops it.
 
 Threads: every read and write of a link's buffers and ends happens under ``LOCK`` (one for all
 links; the signal hooks take it too), which is never held while user code runs or while a thread
@@ -41,8 +37,7 @@ _links: weakref.WeakSet[Link] = weakref.WeakSet()  # a forked child forgets them
 
 
 class Fd:
-    """A descriptor this process opened, with the identity it had: code that closes or reuses
-    descriptor numbers (``os.closerange``, a daemonizer) must never get our writes or closes."""
+    """A descriptor we opened, with its identity: a number reused by others never gets our writes or closes."""
 
     __slots__ = ("fd", "identity")
 
@@ -84,13 +79,8 @@ class _Lost(Exception):
 
 
 class Link:
-    """One watchdog's link (see the module): call every method but ``wait`` and ``confirm`` with
-    ``LOCK`` held.
-
-    Args:
-        hear: takes each line the far end says but ``held`` and ``refused`` (its word and the rest),
-            with ``LOCK`` held.
-    """
+    """One watchdog's link: call every method but ``wait`` and ``confirm`` with ``LOCK`` held.
+    ``hear(word, rest)`` takes each line but ``held`` and ``refused`` (``LOCK`` held)."""
 
     def __init__(self, hear: Callable[[bytes, bytes], None]) -> None:
         self._hear = hear
@@ -147,8 +137,7 @@ class Link:
         self._outbox[:] = (_END_CUT_LINE if self._cut else b"") + message  # a cut line is ended: the far end drops it
 
     def talk(self) -> bool:
-        """Read what the far end said (unless another thread is the reader) and write what the end
-        takes, without blocking; False when the link is not open (a loss closes it)."""
+        """Read the far end's words (unless another thread reads) and write what fits; False when not open."""
         if self._control is None or self._ready is None:
             return False
         try:
@@ -170,9 +159,8 @@ class Link:
                 chunk = os.read(ready.fd, 4096)
             except BlockingIOError:
                 break
-            except OSError:
-                ended = True
-                break
+            except OSError:  # ECONNRESET: as good as the end
+                chunk = b""
             if not chunk:
                 ended = True
                 break
@@ -218,12 +206,10 @@ class Link:
         return self.wait(lambda: self.caught_up, timeout)
 
     def wait(self, satisfied: Callable[[], bool], timeout: float) -> bool:
-        """Talk until ``satisfied()`` (checked under the lock), the link is lost, or ``timeout``
-        passes; True when satisfied. Call it without ``LOCK``: it never holds it while it waits.
+        """Talk until ``satisfied()``, a loss or ``timeout``; True when satisfied. Call it without ``LOCK``.
 
-        One thread at a time is the reader: it polls the ready end and reads what comes. Every other
-        thread waits on ``HEARD`` (the reader notifies it), or polls the control end alone while the
-        outbox waits for room; none races the reader for the same bytes, so no word is missed.
+        One thread at a time is the reader and polls the ready end; the others wait on ``HEARD`` (or
+        poll the control end alone for room), so none races the reader for a word.
         """
         me = threading.get_ident()
         give_up_at = time.monotonic() + timeout
@@ -256,7 +242,7 @@ class Link:
                     HEARD.notify_all()  # a waiter may take over the reading
 
     def close(self) -> None:
-        """Close both ends (once the far end reads the end-of-file, a watchdog flushes unless disarmed)."""
+        """Close both ends (at the end-of-file, the far end flushes unless disarmed)."""
         for end in (self._control, self._ready):
             if end is not None:
                 end.close()
@@ -265,16 +251,14 @@ class Link:
         self._cut = False
 
     def forget_in_child(self) -> None:
-        """In a forked child: the ends are the parent's (the at-fork hook closed the copies), and so
-        is its reader."""
+        """In a forked child: the ends and the reader are the parent's."""
         self._control = self._ready = None
         self._reader = None
         self.retired = True
 
 
 def _wait_for(read_fd: int | None, write_fd: int | None, timeout: float) -> bool:
-    """Wait up to ``timeout`` until ``read_fd`` is readable or ``write_fd`` writable (``poll``: any fd
-    number); False when a descriptor was closed meanwhile."""
+    """Poll until ``read_fd`` is readable or ``write_fd`` writable; False when one was closed meanwhile."""
     poller = select.poll()
     if read_fd is not None:
         poller.register(read_fd, select.POLLIN)

@@ -10,6 +10,7 @@ import argparse
 import functools
 import os
 import signal
+import threading
 import time
 import warnings
 from collections import Counter
@@ -363,3 +364,76 @@ def test_disarming_a_stopped_watchdog_kills_it(arm: Callable[..., Watchdog], arg
     assert wait_until(lambda: gone(dog.pid), 1.0) and not dog.armed
     time.sleep(0.3)
     assert stub.requests == []  # killed, not flushed
+
+
+def _watchdogs_of_this_trainer() -> list[int]:
+    """The live watchdog processes this process started (their command line names it)."""
+    mine = f"--trainer-pid\0{os.getpid()}\0".encode()
+    found = []
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as handle:
+                if mine in handle.read() and not gone(int(name)):
+                    found.append(int(name))
+                    _watchdog_pids.append(int(name))  # ended by its pid after the test if it still runs
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def test_arming_again_a_watchdog_that_has_not_confirmed_starts_no_second_one(
+        arm: Callable[..., Watchdog], args: argparse.Namespace, stub: AgentServerStub) -> None:
+    dog = arm(args)
+    os.kill(dog.pid, signal.SIGSTOP)  # linked, but it confirms nothing now
+    try:
+        args.session_server_instance_id = "wd-new"
+        assert not dog.refresh() and not dog.armed
+        assert arm(args) is dog and dog.linked
+        assert _watchdogs_of_this_trainer() == [dog.pid]
+    finally:
+        os.kill(dog.pid, signal.SIGCONT)
+    assert wait_until(lambda: dog.refresh() or dog.armed, 10.0)
+    dog.disarm()
+    assert wait_until(lambda: not _watchdogs_of_this_trainer(), 10.0)
+    assert stub.requests == []  # disarmed: no watchdog of this trainer is left to flush
+
+
+def test_threads_arming_one_args_at_once_share_one_watchdog(arm: Callable[..., Watchdog],
+                                                             args: argparse.Namespace) -> None:
+    start = threading.Barrier(4)
+    dogs: list[Watchdog] = []
+
+    def arm_now() -> None:
+        start.wait()
+        dogs.append(arm(args))
+
+    threads = [threading.Thread(target=arm_now) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(dogs) == 4 and all(dog is dogs[0] for dog in dogs) and dogs[0].armed
+    assert _watchdogs_of_this_trainer() == [dogs[0].pid]
+
+
+def test_threads_aborting_after_the_watchdog_died_rearm_it_once(arm: Callable[..., Watchdog],
+                                                                 args: argparse.Namespace) -> None:
+    from swe_flush_sync import abort
+
+    dog = arm(args)
+    os.kill(dog.pid, signal.SIGKILL)
+    assert wait_until(lambda: not dog.linked, 10.0)
+    start = threading.Barrier(4)
+
+    def abort_now() -> None:
+        start.wait()
+        abort(args, environ={}, deadline=1)
+
+    threads = [threading.Thread(target=abort_now) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    _watchdog_pids.append(dog.pid)
+    assert wait_until(lambda: dog.armed, 10.0)
+    assert _watchdogs_of_this_trainer() == [dog.pid]
