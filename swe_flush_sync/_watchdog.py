@@ -390,9 +390,14 @@ def _refresh_watchdogs(args: Any, rearm: bool) -> None:
 
 
 def warn_lost_watchdogs() -> None:
-    """Log what the watchdogs said since the last call: ended, re-armed, ledger records not written."""
-    while unsaid:
-        log.warning("%s", unsaid.pop(0))
+    """Log what the watchdogs said since the last call: ended, re-armed, ledger records not written
+    (each line once, whatever other threads drain at the same time)."""
+    while True:
+        try:
+            line = unsaid.popleft()
+        except IndexError:
+            return
+        log.warning("%s", line)
 
 
 def disarm_flushed(report: FlushReport) -> None:

@@ -5,6 +5,7 @@ reconnects, refusals).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import signal
@@ -37,7 +38,8 @@ FOLLOW_INTERVAL: Final = 0.5  # seconds the guard's follower thread waits for it
 REFUSED_RETRY: Final = 5.0  # seconds before the follower offers a refused state again (a draining guard)
 _HELPER: Final = _watchdog_process.__file__
 
-unsaid: list[str] = []  # warnings for the next abort() (the hooks and the follower thread log nothing)
+# Warnings for the next abort() (the hooks and the follower thread log nothing); any thread drains it.
+unsaid: collections.deque[str] = collections.deque()
 _ends: weakref.WeakSet[End] = weakref.WeakSet()  # a forked child forgets them all
 
 

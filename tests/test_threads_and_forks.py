@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -92,6 +93,44 @@ def test_aborts_from_many_threads_always_send_their_ids_local_watchdog(stub: Age
     trainer.proc.kill()  # and then the watchdog flushes the last ids it was handed
     trainer.death()
     assert wait_until(lambda: sorted(stub.flushed_ids()) == FINAL_IDS, 5.0), stub.flushed_ids()
+
+
+def test_threads_saying_the_watchdogs_warnings_at_once_say_each_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from swe_flush_sync._watchdog_ends import unsaid
+
+    said: list[str] = []
+    errors: list[BaseException] = []
+
+    class Log:  # as cheap as a disabled logger: the threads race on the queue, not on a handler's lock
+        @staticmethod
+        def warning(text: str, *args: object) -> None:
+            said.append(text % args)
+
+    def say(start: threading.Barrier) -> None:
+        start.wait()
+        try:
+            watchdog_module.warn_lost_watchdogs()  # what every abort() does last
+        except BaseException as exc:  # what the trainer's abort() would have raised
+            errors.append(exc)
+
+    monkeypatch.setattr(watchdog_module, "log", Log)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between a check and a take
+    try:
+        for batch in range(1000):
+            unsaid.extend(f"warning {batch}.{n}" for n in range(20))
+            start = threading.Barrier(8)
+            threads = [threading.Thread(target=say, args=(start,)) for _ in range(8)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            if errors:
+                break
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []
+    assert len(said) == len(set(said)) == 20_000
 
 
 @pytest.mark.parametrize("threads", [4, 8])
