@@ -230,15 +230,17 @@ class Watchdog:
             payload, pairs = self._source.state(lock=self._end.liveness is not None, last=self._link.payload)
             process = self._end.open(patience)
             with link_module.LOCK:
-                if self._link.retired:  # by a signal hook meanwhile
-                    self._link.close()
-                    return
-                self._link.queue(payload, pairs)
-            held = self._link.confirm(patience)
+                if not self._link.retired:
+                    self._link.queue(payload, pairs)
+            held = not self._link.retired and self._link.confirm(patience)
             self._end.opened(held, process, payload, patience)
         except BaseException:
             self._end.release()
             raise
+        if self._link.retired:  # disarmed meanwhile (a hook, another thread): nothing of it stays
+            with link_module.LOCK:
+                self._link.close()
+            self._end.release()
 
     def __repr__(self) -> str:
         return f"Watchdog(pid={self.pid}, armed={self.armed}, ledger={self.ledger!r})"

@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import statistics
@@ -309,3 +310,26 @@ def test_a_step_through_the_guard_never_waits_out_a_missed_word(stub: AgentServe
     trainer.death()
     assert wait_until(lambda: sorted(stub.flushed_ids()) == sorted([f"step299-{port}" for port in range(8)] + ["wd-c"]),
                       5.0), stub.flushed_ids()
+
+
+def test_a_disarm_while_arming_through_a_guard_leaves_no_lock(stub: AgentServerStub, start_guard: StartGuard,
+                                                              short_dir: Path) -> None:
+    folder = short_dir / "run"
+    folder.mkdir(mode=0o700)
+    path = str(folder / "guard.sock")
+    args = argparse.Namespace(session_server_instance_ids={1: "arming"}, session_server_instance_id=None)
+    env = {"AGENT_SERVER_URL": stub.url, "HARBOR_ADMIN_SECRET": SECRET}
+    armed: list[object] = []
+    arming = threading.Thread(target=lambda: armed.append(watchdog(args, guard=path, environ=env)))
+    arming.start()  # no guard yet: it tries for up to 10 s, holding this trainer's lock meanwhile
+
+    def lock_files() -> list[str]:
+        return [name for name in os.listdir(folder) if re.fullmatch(r"guard\.sock\.[0-9a-f]{32}\.lock", name)]
+
+    assert wait_until(lambda: len(lock_files()) == 1, 10.0)
+    [dog] = [dog for dog in watchdog_module._watchdogs if dog.args is args]
+    dog.disarm()  # as a hook that flushed everything would, from another thread
+    start_guard(path=path)
+    arming.join(20)
+    assert armed == [dog] and not dog.linked
+    assert lock_files() == []  # the disarmed trainer holds no lock a guard would take for its life
