@@ -296,7 +296,7 @@ def flush_groups(groups: Mapping[tuple[str, ...], Iterable[str]], options: Flush
     if runner is not None:
         reports = [flush_group(urls, ids) for urls, ids in groups.items()]
     else:
-        with ThreadPoolExecutor(len(groups), thread_name_prefix="swe-flush-recover", initializer=block_signals) as pool:
+        with ThreadPoolExecutor(len(groups), thread_name_prefix="swe-flush-group", initializer=block_signals) as pool:
             reports = list(pool.map(flush_group, groups.keys(), groups.values()))
     return FlushReport(results=tuple(result for report in reports for result in report.results),
                        elapsed=time.monotonic() - started)
