@@ -85,15 +85,22 @@ def reap_children() -> Iterator[None]:
         proc = _children.pop()
         if proc.poll() is None:
             proc.kill()
-        proc.communicate(timeout=10)
+        try:
+            proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:  # a grandchild still holds its pipes: closed on our side
+            for pipe in (proc.stdin, proc.stdout, proc.stderr):
+                if pipe is not None:
+                    pipe.close()
+            proc.wait()
 
 
 _watchdog_pids: list[int] = []
 
 
 @pytest.fixture(autouse=True)
-def end_watchdogs() -> Iterator[None]:
-    """Every watchdog a test armed is gone after it: killed by its pid if it still runs."""
+def end_watchdogs(reap_children: None) -> Iterator[None]:
+    """Every watchdog a test armed is gone after it: killed by its pid if it still runs, before its
+    trainer is reaped (a watchdog that outlived its trainer holds the trainer's stderr while it flushes)."""
     yield
     while _watchdog_pids:
         pid = _watchdog_pids.pop()

@@ -306,9 +306,9 @@ def test_a_stopped_watchdog_costs_one_state_and_no_waiting(stub: AgentServerStub
         sys.stdin.readline()
         end = time.monotonic() + 20  # the resumed watchdog catches up with what waited in its pipe
         confirmed = dog.refresh()
-        while not dog.armed and time.monotonic() < end:
-            confirmed = dog.refresh() or confirmed
+        while not confirmed and time.monotonic() < end:  # only refresh() reads its word: none is missed
             time.sleep(0.01)
+            confirmed = dog.refresh()
         print("AGAIN", confirmed, dog.armed, flush=True)
         time.sleep(60)
     """)
