@@ -95,6 +95,7 @@ class Watchdog:
         self.guard = guard
         self.ledger = ledger
         self._ledger_error: str | None = None
+        self._starting = False  # _start runs (a signal handler's abort meanwhile must not start another)
         self._source = _Source(args, environ, options, ledger, secrets.token_hex(16))
         self._link = Link(self._hear)
         self._end: End = ProcessEnd(self._link) if guard is None else GuardEnd(self._link, guard, self._source.token)
@@ -179,12 +180,12 @@ class Watchdog:
     def rearm(self) -> None:
         """Arm again a watchdog that ended (``abort`` calls it): a new process, at most once a minute
         after a failure, or one more try to reach the guard (a thread retries every 0.1 s meanwhile).
-        Nothing while it is linked or being armed by another thread. Never raises: what happened is
-        said at the next ``abort``."""
+        Nothing while it is linked or being armed (by another thread, or by this one under a signal
+        handler). Never raises: what happened is said at the next ``abort``."""
         if not _arming.acquire(blocking=False):
             return
         try:
-            if not self.linked:
+            if not self._starting and not self.linked:
                 self._end.rearm(self._start)
         finally:
             _arming.release()
@@ -225,6 +226,7 @@ class Watchdog:
     def _start(self, patience: float | None = None) -> None:
         """Open the link, hand over the state and wait up to ``patience`` until it is held; or raise."""
         patience = ARM_TIMEOUT if patience is None else patience
+        self._starting = True
         try:
             self._end.prepare()
             payload, pairs = self._source.state(lock=self._end.liveness is not None, last=self._link.payload)
@@ -237,6 +239,8 @@ class Watchdog:
         except BaseException:
             self._end.release()
             raise
+        finally:
+            self._starting = False
         if self._link.retired:  # disarmed meanwhile (a hook, another thread): nothing of it stays
             with link_module.LOCK:
                 self._link.close()

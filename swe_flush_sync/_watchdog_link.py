@@ -8,6 +8,11 @@ waits. One thread at a time reads a link's answers (its reader: the guard's foll
 thread waiting for a word); the others wait on ``HEARD``, which the reader notifies whenever it
 hears something, loses the link or stops reading. ``LOCK``, ``HEARD`` and ``FORK_LOCK`` are new
 objects in a forked child: use them as attributes of this module, never imported by name.
+
+Signal handlers: ``LOCK`` is re-entrant, so a handler that runs as the main thread's ``os.write``
+returns (before the write is counted) may use the link too. It finds the line cut (``_cut`` is
+True while a write is under way): what it queues, or the message it writes again, starts by ending
+that line, and the interrupted write leaves the outbox to it.
 """
 from __future__ import annotations
 
@@ -89,7 +94,10 @@ class Link:
         self._inbox = b""  # a line of the far end's not read whole yet
         self._reader: int | None = None  # the thread that reads the far end's words now (see wait)
         self._outbox = bytearray()  # what is still to be written: at most one message (after a cut line's end)
-        self._cut = False  # what was written so far ends in the middle of a line
+        self._message = b""  # ... and that message whole
+        self._replaced = 0  # how many times the outbox was replaced
+        self._cut = False  # what was written so far ends in the middle of a line (True while a write is under way)
+        self._writing = False  # a write is under way: a signal handler runs as os.write returns
         self.retired = False  # set by a disarm: the link is never opened again
         self.payload = b""  # the state last queued
         self.pairs: frozenset[tuple[str, str]] = frozenset()  # ... and its (server, id) pairs
@@ -134,6 +142,7 @@ class Link:
         self._replace_outbox(_DISARM)
 
     def _replace_outbox(self, message: bytes) -> None:
+        self._message, self._replaced = message, self._replaced + 1
         self._outbox[:] = (_END_CUT_LINE if self._cut else b"") + message  # a cut line is ended: the far end drops it
 
     def talk(self) -> bool:
@@ -148,7 +157,7 @@ class Link:
             self.close()
             HEARD.notify_all()
             return False
-        return True
+        return self.open  # (a signal handler may have closed it meanwhile)
 
     def _read_words(self, ready: Fd) -> None:
         if not ready.ours():
@@ -188,17 +197,25 @@ class Link:
             self._hear(word, rest)
 
     def _write_outbox(self, control: Fd) -> None:
+        """Write what fits (re-entered by a signal handler: see the module's docstring)."""
+        if self._writing:  # a handler, as our os.write returned: what it wrote is unknown, the message starts over
+            self._replace_outbox(self._message)
         while self._outbox:
             if not control.ours():
                 raise _Lost
+            cut, replaced, self._cut, self._writing = self._cut, self._replaced, True, True
             try:
                 written = os.write(control.fd, self._outbox)
             except BlockingIOError:
+                self._cut = cut
                 return
             except OSError:  # EPIPE: the far end is gone
                 raise _Lost from None
-            self._cut = self._outbox[written - 1:written] != b"\n"
-            del self._outbox[:written]
+            finally:
+                self._writing = False
+            if replaced == self._replaced:
+                self._cut = self._outbox[written - 1:written] != b"\n"
+                del self._outbox[:written]
             self.written += written
 
     def confirm(self, timeout: float) -> bool:
@@ -229,7 +246,8 @@ class Link:
                     if self._reader != me and not self._outbox:
                         HEARD.wait(left)  # the reader hears for us
                         continue
-                    assert self._control is not None and self._ready is not None  # talk() says so
+                    if self._control is None or self._ready is None:  # closed by a signal handler meanwhile
+                        return False
                     ready = self._ready.fd if self._reader == me else None
                     control = self._control.fd if self._outbox else None
                 if not _wait_for(ready, control, left):  # closed meanwhile by a disarm in another thread

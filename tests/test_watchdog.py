@@ -211,6 +211,64 @@ def test_a_hook_that_failed_leaves_the_watchdog_armed(stub: AgentServerStub) -> 
     assert flushed == dict.fromkeys(IDS, 2)  # the hook's, then the watchdog's: wd-b failed at exit
 
 
+# The os module as the trainer's link sees it: its next write takes only half of what it is given,
+# and a real SIGUSR1 arrives as that write returns (before the link knows how much it wrote).
+CUT_SHORT = """
+from swe_flush_sync import _watchdog_link
+class CutShort:
+    fired = False
+    def __getattr__(self, name):
+        return getattr(os, name)
+    def write(self, fd, data):
+        if self.fired:
+            return os.write(fd, data)
+        self.fired = True
+        written = os.write(fd, bytes(data[:len(data) // 2]))
+        os.kill(os.getpid(), signal.SIGUSR1)
+        return written
+"""
+
+
+def test_a_disarm_in_a_signal_handler_that_cuts_a_hand_over_short_leaves_no_flush(stub: AgentServerStub) -> None:
+    trainer = Trainer(stub, CUT_SHORT + """
+dog = watchdog(args)
+armed(dog)
+signal.signal(signal.SIGUSR1, lambda *_: dog.disarm())  # the trainer flushed everything itself
+_watchdog_link.os = CutShort()
+args.session_server_instance_id = "wd-d"
+dog.refresh()
+print("DISARMED", dog.linked, flush=True)
+time.sleep(60)
+""")
+    pid = trainer.armed()
+    assert trainer.read("DISARMED") == ["DISARMED", "False"]
+    assert wait_until(lambda: gone(pid), 5.0), "a disarmed watchdog must exit"
+    trainer.proc.kill()
+    trainer.death()
+    assert stub.requests == []  # the disarm was read whole: the half-written state before it was dropped
+
+
+def test_a_hook_that_cuts_a_hand_over_short_leaves_the_watchdog_the_new_ids(stub: AgentServerStub) -> None:
+    trainer = Trainer(stub, CUT_SHORT + """
+signal.signal(signal.SIGUSR1, lambda *_: None)  # a graceful stop: the trainer goes on after the hook
+flush_on_signal(args, signals=(signal.SIGUSR1,), deadline=5)
+dog = watchdog(args, until_idle=False)
+armed(dog)
+_watchdog_link.os = CutShort()
+args.session_server_instance_id = "wd-d"
+dog.refresh()
+print("HELD", until(lambda: dog.refresh() or dog.armed), flush=True)
+time.sleep(60)
+""")
+    pid = trainer.armed()
+    assert trainer.read("HELD") == ["HELD", "True"]
+    trainer.proc.kill()
+    trainer.death()
+    assert wait_until(lambda: gone(pid), 5.0)
+    new_ids = {"wd-a", "wd-b", "wd-d"}  # the singular id was replaced
+    assert Counter(stub.flushed_ids()) == dict.fromkeys(new_ids, 2)  # the hook's flush, then the watchdog's
+
+
 def test_a_forked_child_does_not_hide_the_death(stub: AgentServerStub) -> None:
     trainer = Trainer(stub, """
         dog = watchdog(args, until_idle=False)
@@ -366,9 +424,9 @@ def test_disarming_a_stopped_watchdog_kills_it(arm: Callable[..., Watchdog], arg
     assert stub.requests == []  # killed, not flushed
 
 
-def _watchdogs_of_this_trainer() -> list[int]:
-    """The live watchdog processes this process started (their command line names it)."""
-    mine = f"--trainer-pid\0{os.getpid()}\0".encode()
+def _watchdogs_of_this_trainer(trainer: int | None = None) -> list[int]:
+    """The live watchdog processes of ``trainer`` (default: this process; their command line names it)."""
+    mine = f"--trainer-pid\0{trainer or os.getpid()}\0".encode()
     found = []
     for name in os.listdir("/proc"):
         try:
@@ -396,6 +454,27 @@ def test_arming_again_a_watchdog_that_has_not_confirmed_starts_no_second_one(
     dog.disarm()
     assert wait_until(lambda: not _watchdogs_of_this_trainer(), 10.0)
     assert stub.requests == []  # disarmed: no watchdog of this trainer is left to flush
+
+
+def test_an_abort_in_a_signal_handler_while_watchdog_arms_starts_no_second_one(stub: AgentServerStub) -> None:
+    trainer = Trainer(stub, """
+from swe_flush_sync import _watchdog_ends
+signal.signal(signal.SIGUSR1, lambda *_: abort(args))  # a user's handler
+prepare = _watchdog_ends.End.prepare
+def prepare_after_a_signal(self):
+    _watchdog_ends.End.prepare = prepare
+    os.kill(os.getpid(), signal.SIGUSR1)  # arrives while watchdog() arms, before anything is linked
+    prepare(self)
+_watchdog_ends.End.prepare = prepare_after_a_signal
+armed(watchdog(args, until_idle=False))
+time.sleep(60)
+""")
+    pid = trainer.armed()
+    assert _watchdogs_of_this_trainer(trainer.proc.pid) == [pid]
+    trainer.proc.kill()
+    trainer.death()
+    assert wait_until(lambda: gone(pid), 5.0)
+    assert Counter(stub.flushed_ids()) == dict.fromkeys(IDS, 2)  # the handler's abort, then the one watchdog's
 
 
 def test_threads_arming_one_args_at_once_share_one_watchdog(arm: Callable[..., Watchdog],
