@@ -321,7 +321,8 @@ def watchdog(args: Any, *, guard: str | None = None, environ: Mapping[str, str] 
 
     Returns:
         The armed ``Watchdog``; the same one when called again for the same ``args`` (from any
-        thread: one watchdog per ``args``; one that has not confirmed its state yet is handed it).
+        thread: one watchdog per ``args``; one that has not confirmed its state yet is handed it;
+        from a signal handler while this thread arms it, as it is).
 
     Raises:
         ConfigError: a bad option, bad ``args``, a bad ``guard`` path, no agent server configured,
@@ -348,6 +349,8 @@ def watchdog(args: Any, *, guard: str | None = None, environ: Mapping[str, str] 
             keeper = known[0] if known else Watchdog(args, environ, flush_options, ledger, socket_path)
             if not known:
                 _watchdogs.append(keeper)  # before it starts: a signal hook meanwhile can disarm it
+        if known and keeper._starting:  # a signal handler while this thread arms it
+            return keeper
         if known and keeper.linked:  # armed, or not confirming now (stopped, busy): never a second one
             if not keeper.armed:
                 keeper.refresh()

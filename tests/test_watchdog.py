@@ -456,10 +456,11 @@ def test_arming_again_a_watchdog_that_has_not_confirmed_starts_no_second_one(
     assert stub.requests == []  # disarmed: no watchdog of this trainer is left to flush
 
 
-def test_an_abort_in_a_signal_handler_while_watchdog_arms_starts_no_second_one(stub: AgentServerStub) -> None:
-    trainer = Trainer(stub, """
+@pytest.mark.parametrize("handler", ["abort(args)", "watchdog(args)"])
+def test_a_signal_handler_while_watchdog_arms_starts_no_second_one(stub: AgentServerStub, handler: str) -> None:
+    trainer = Trainer(stub, f"""
 from swe_flush_sync import _watchdog_ends
-signal.signal(signal.SIGUSR1, lambda *_: abort(args))  # a user's handler
+signal.signal(signal.SIGUSR1, lambda *_: {handler})  # a user's handler
 prepare = _watchdog_ends.End.prepare
 def prepare_after_a_signal(self):
     _watchdog_ends.End.prepare = prepare
@@ -474,7 +475,8 @@ time.sleep(60)
     trainer.proc.kill()
     trainer.death()
     assert wait_until(lambda: gone(pid), 5.0)
-    assert Counter(stub.flushed_ids()) == dict.fromkeys(IDS, 2)  # the handler's abort, then the one watchdog's
+    flushes = 2 if handler.startswith("abort") else 1  # the handler's abort, then the one watchdog's
+    assert Counter(stub.flushed_ids()) == dict.fromkeys(IDS, flushes)
 
 
 def test_threads_arming_one_args_at_once_share_one_watchdog(arm: Callable[..., Watchdog],
