@@ -128,10 +128,10 @@ class Channel:
         if len(self.pending) > MAX_STATE_BYTES and not self.parsing:
             self.pending.clear()
             self._skipping = True
-            return self._bad(f"a line over {MAX_STATE_BYTES} bytes")
+            return self.refuse_line(f"a line over {MAX_STATE_BYTES} bytes")
         return True
 
-    def _bad(self, why: str, told: str | None = None) -> bool:
+    def refuse_line(self, why: str, told: str | None = None) -> bool:
         """A line that cannot be taken (see the class); the peer is ``told`` why, else ``why``."""
         if not self.strict:
             return True
@@ -146,7 +146,7 @@ class Channel:
         try:
             return self._take(line)
         except Exception as exc:  # noqa: BLE001 - what a peer sends never stops the loop
-            return self._bad(f"a message that raised {type(exc).__name__}")
+            return self.refuse_line(f"a message that raised {type(exc).__name__}")
 
     def _take(self, line: bytearray) -> bool:
         """Apply one line; False when the channel ends (disarm, or a strict channel's bad line)."""
@@ -159,7 +159,7 @@ class Channel:
         try:
             message = self.parse(line)
         except BadLine as exc:
-            return self._bad(str(exc))
+            return self.refuse_line(str(exc))
         return self._apply(message, len(line))
 
     def parse(self, line: bytes | bytearray) -> dict[str, Any]:
@@ -170,9 +170,9 @@ class Channel:
         """Apply a line parsed elsewhere, then the lines behind it; False when the channel ends."""
         self.parsing = False
         try:
-            alive = self._bad(str(parsed)) if isinstance(parsed, BadLine) else self._apply(parsed, size)
+            alive = self.refuse_line(str(parsed)) if isinstance(parsed, BadLine) else self._apply(parsed, size)
         except Exception as exc:  # noqa: BLE001 - what a peer sends never stops the loop
-            alive = self._bad(f"a message that raised {type(exc).__name__}")
+            alive = self.refuse_line(f"a message that raised {type(exc).__name__}")
         return alive and self._take_lines()
 
     def _apply(self, message: dict[str, Any], size: int) -> bool:
@@ -185,14 +185,14 @@ class Channel:
             return True
         state, seq = message.get("state"), message.get("seq")
         if not isinstance(state, dict) or isinstance(seq, bool) or not isinstance(seq, int):
-            return self._bad("a message of the wrong shape")
+            return self.refuse_line("a message of the wrong shape")
         if self._check is not None:
             try:
                 state = self._check(state, self.state is None, size)
             except ValueError as exc:
-                return self._bad(f"a state it refused: {exc}", told=str(exc))
+                return self.refuse_line(f"a state it refused: {exc}", told=str(exc))
         if self.token is not None and state.get("trainer") != self.token:
-            return self._bad("a state of another trainer")
+            return self.refuse_line("a state of another trainer")
         first = self.state is None
         self.state = state
         self.keep_record(state)  # first: once watchdog() or refresh() returns, recover() can see it
@@ -349,7 +349,8 @@ class WatchLoop:
             channel.error = f"a message that raised {type(exc).__name__}"
             alive = False
         if alive and self.pending + len(channel.pending) - before > self.max_pending:
-            alive = channel._bad(f"more than the {self.max_pending >> 20} MiB all peers' unfinished lines may hold")
+            alive = channel.refuse_line(f"more than the {self.max_pending >> 20} MiB all peers' unfinished lines "
+                                        "may hold")
         self.pending += len(channel.pending) - before
         if not alive:
             self.end(channel)
