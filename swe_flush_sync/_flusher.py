@@ -1,29 +1,33 @@
 """``Flusher``: one future per (server, id) pair, a deadline kept by the calling thread, single flight.
 
-Pairs go to a ``ThreadPoolExecutor`` interleaved across servers, as its workers take them (a pass
+Pairs go to the Flusher's ``Workers`` interleaved across servers, as its threads take them (a pass
 larger than the window is fed by the calling thread, which then waits for room); the calling
-thread waits with ``concurrent.futures.wait`` and reports what is unfinished at the deadline. A request still
+thread waits on a queue of its own and reports what is unfinished at the deadline. A request still
 unanswered then lingers (up to ``linger`` s): a later flush of the pair joins it rather than
 cancel the server's teardown a second time. Only the sending call holds a request's
 ``CancelToken``; a joiner never gives it up. Lingering requests never keep a fresh pair from
 a worker: the oldest are given up to make room. With ``until_idle``, each server's pairs are
-flushed in rounds until a round cancels nothing. Signal and exit hooks pass their own runner
+flushed in rounds until a round cancels nothing. Signal and exit hooks pass their own ``Workers``
 (threads started when they were installed); a forked child forgets the parent's pools and workers.
+
+Signal safety: a signal handler may flush while the thread it interrupted is inside a flush of the
+same Flusher. No lock lies on the way to the workers (see ``_threads``): the in-flight map is kept
+with single ``dict`` operations (``setdefault`` claims a pair, ``pop`` forgets one), each atomic, so
+an interrupted call never leaves it half changed; a call waits for answers on its own
+``SimpleQueue``. What this gives up: two calls that find a pair's old request finished at the very
+same moment may both send it (a ``pop`` and a ``setdefault`` apart).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import concurrent.futures.thread  # imported now: its exit hook must be registered before ours
 import dataclasses
 import functools
 import os
 import queue
-import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
@@ -33,7 +37,7 @@ from ._logs import WORKER_THREAD_PREFIX, install_urllib3_filter, log_report
 from ._options import FlushOptions, check_seconds
 from ._report import FlushReport, FlushResult
 from ._resolve import normalize_instance_ids, normalize_server_urls
-from ._threads import block_signals
+from ._threads import Workers
 from ._transport import CancelToken, Transport
 
 if TYPE_CHECKING:
@@ -43,13 +47,11 @@ if TYPE_CHECKING:
 
 Pair = tuple[str, str]  # (server url, instance id)
 Call = Callable[[], FlushResult]  # one request, bound to its pair and token
-Runner = Callable[[Sequence[Call]], list[Future[FlushResult]]]  # runs calls elsewhere than the executor
-# Seconds a pair left unsent may take to report, kept off the deadline: this many times what setting
-# one pair up took this call (a loaded host is slower at both; reporting a pair costs about four
-# times setting it up, and the workers still hold the GIL meanwhile), within REPORT_COST (100,000
-# pairs: 1 to 4 s of a 5 s deadline; 1,000 pairs: 10 to 40 ms).
-REPORT_FACTOR: Final = 8
-REPORT_COST: Final = (1e-5, 4e-5)
+# Reporting the pairs a call leaves unsent is timed each call; sending stops when the time left is
+# what reporting those still unsent took then, by this factor (a loaded host varies between calls).
+# A Flusher's first call, not timed yet, takes this many times what setting one pair up took it.
+REPORT_MARGIN: Final = 2.0
+FIRST_REPORT_FACTOR: Final = 4.0
 QUEUED_PER_WORKER: Final = 2  # pairs handed to the executor ahead of each worker
 MAX_ROUNDS: Final = 64  # passes per pair at most with until_idle (the deadline usually ends them first)
 
@@ -79,29 +81,13 @@ class _Call(NamedTuple):
     started: float
     deadline_at: float
     until_idle: bool
-    runner: Runner | None
+    workers: Workers
+    hook: bool  # a signal or exit hook's call: nothing lingering is given up for room
     rounds: dict[str, int]  # per server, the rounds started
     by_server: dict[str, list[_Track]]  # the tracks of each server
-    answered: dict[str, Future[None]]  # per server still going, done once its round is all answered
-    pair_cost: float  # seconds setting one pair up took this call: how fast this host is right now
-
-
-def _when_all_answered(futures: list[Future[FlushResult]]) -> Future[None]:
-    """A future done once every one of ``futures`` is (a countdown their callbacks run; no scan)."""
-    answered: Future[None] = Future()
-    left, lock = [len(futures)], threading.Lock()
-
-    def one_more(_: Future[FlushResult]) -> None:
-        with lock:
-            left[0] -= 1
-            if not left[0]:
-                answered.set_result(None)
-
-    if not futures:
-        answered.set_result(None)
-    for future in futures:
-        future.add_done_callback(one_more)
-    return answered
+    waiting: dict[str, int]  # per server still going, the answers its round still waits for
+    answers: queue.SimpleQueue[str]  # this call's own: the server of each request answered (its callbacks put)
+    report_cost: float  # seconds reporting one pair left unsent is expected to take
 
 
 class Flusher:
@@ -141,10 +127,10 @@ class Flusher:
         self._urls = urls
         self._options = options
         self._bearer = options.bearer_provider
-        self._lock = threading.RLock()  # re-entrant: a signal handler may flush while it is held
-        self._inflight: dict[Pair, _Pending] = {}
+        self._inflight: dict[Pair, _Pending] = {}  # single ``dict`` operations only (see the module docstring)
         self._transport: Transport | None = None
-        self._executor: ThreadPoolExecutor | None = None
+        self._workers = Workers(WORKER_THREAD_PREFIX, options.workers)
+        self._report_cost: float | None = None  # seconds per unsent pair, as the last call measured it
         self._closed = False
         _live.add(self)
 
@@ -195,41 +181,47 @@ class Flusher:
         return report
 
     def _flush_ids(self, ids: tuple[str, ...], budget: float, *, until_idle: bool | None = None,
-                   runner: Runner | None = None) -> FlushReport:
-        """``flush`` of validated ids, without logging; ``runner`` (the signal and exit hooks' threads)
-        runs the requests instead of the executor, and nothing lingering is given up for room."""
+                   workers: Workers | None = None) -> FlushReport:
+        """``flush`` of validated ids, without logging; ``workers`` (the signal and exit hooks' threads)
+        run the requests instead of the Flusher's own, and nothing lingering is given up for room."""
         started = time.monotonic()
         tracks = {pair: _Track(pair) for pair in ((url, i) for i in ids for url in self._urls)}  # interleaved
         repeat = self._options.until_idle if until_idle is None else until_idle
         by_server: dict[str, list[_Track]] = {url: [] for url in self._urls}
         for track in tracks.values():
             by_server[track.pair[0]].append(track)
-        pair_cost = (time.monotonic() - started) / max(len(tracks), 1)
-        call = _Call(tracks, started, started + budget, repeat, runner, dict.fromkeys(self._urls, 1), by_server, {},
-                     pair_cost)
+        report_cost = self._report_cost
+        if report_cost is None:  # not measured yet: from how fast this host set this call up
+            report_cost = FIRST_REPORT_FACTOR * (time.monotonic() - started) / max(len(tracks), 1)
+        call = _Call(tracks, started, started + budget, repeat, workers or self._workers, workers is not None,
+                     dict.fromkeys(self._urls, 1), by_server, {}, queue.SimpleQueue(), report_cost)
         if not call.tracks:
             return FlushReport(elapsed=time.monotonic() - started)
-        # Each server's round wakes this call once it is all answered: a server's next round never
-        # waits for another server, and no answer costs a scan of every pair.
+        # Each server's round is counted down by its answers: a server's next round never waits for
+        # another server, and no answer costs a scan of every pair.
         try:
             if not self._send_pass(list(call.tracks.values()), call):
                 raise FlushError("this Flusher is closed")
-            while True:
-                for url, answered in list(call.answered.items()):
-                    if answered.done():
-                        del call.answered[url]
-                        self._end_round_if_answered(url, call)
+            while call.waiting:
                 left = call.deadline_at - time.monotonic()
-                if not call.answered or left <= 0:
+                if left <= 0:
                     break
-                concurrent.futures.wait(list(call.answered.values()), timeout=left,
-                                        return_when=concurrent.futures.FIRST_COMPLETED)
+                try:
+                    url = call.answers.get(timeout=left)
+                except queue.Empty:
+                    break
+                call.waiting[url] -= 1
+                if not call.waiting[url]:
+                    del call.waiting[url]
+                    self._end_round_if_answered(url, call)
         except BaseException:  # Ctrl-C or any other exception here: give up what this call sent, re-raise
             for track in call.tracks.values():
                 if track.pending is not None and not track.joined:
                     _give_up(track.pending, "interrupted")
             raise
+        reporting = time.monotonic()
         results = tuple(self._result(call.tracks[(url, i)], call) for url in self._urls for i in ids)
+        self._report_cost = (time.monotonic() - reporting) / len(results)  # what the next call keeps for it
         return FlushReport(results=results, elapsed=time.monotonic() - started)
 
     def _end_round_if_answered(self, url: str, call: _Call) -> None:
@@ -259,50 +251,47 @@ class Flusher:
         """Join or send one pass of each track; False if the Flusher is closed. Pairs go out as the
         workers take them, at most ``QUEUED_PER_WORKER`` a worker queued ahead, so that what the
         deadline finds unsent was never prepared and ends at once saying so (as does a pair without
-        a bearer); the lock is held per pair, never while waiting. Each server's round is then watched."""
-        with self._lock:
-            if self._closed:
-                return False
-            self._forget_finished()  # answered requests are not joined: their pairs are sent afresh
-            fresh = [track for track in tracks if not self._joined(track)]
-            if call.runner is None:  # the hooks gave every lingering request up already
-                self._make_room(len(fresh))
-            transport = self._transport_now()
+        a bearer). Sending stops when the time left is what reporting the pairs still unsent takes.
+        Each server's round is then counted down by its answers."""
+        if self._closed:
+            return False
+        self._forget_finished()  # answered requests are not joined: their pairs are sent afresh
+        fresh = [track for track in tracks if not self._joined(track)]
+        if not call.hook:  # the hooks gave every lingering request up already
+            self._make_room(len(fresh))
+        transport = self._transport_now()
         room: queue.SimpleQueue[None] = queue.SimpleQueue()  # C-level: a Ctrl-C in a wait leaves no lock held
         for _ in range(QUEUED_PER_WORKER * self._options.workers):
             room.put(None)
-        # The time needed to report the pairs that would be left unsent is kept off the deadline.
-        per_pair = min(max(REPORT_FACTOR * call.pair_cost, REPORT_COST[0]), REPORT_COST[1])
-        stop_at = call.deadline_at - per_pair * len(fresh)
         sent, why = 0, "deadline passed"
         for track in fresh:
-            left = stop_at - time.monotonic()
+            left = call.deadline_at - time.monotonic() - REPORT_MARGIN * call.report_cost * (len(fresh) - sent)
             if sent and left <= 0:
                 break
             try:
                 room.get(timeout=max(left, 0.0))
             except queue.Empty:
                 break
-            with self._lock:
-                if self._closed:
-                    why = "the Flusher was closed"
-                    break
-                sent += 1
-                if self._joined(track):  # another call sent the pair meanwhile
-                    room.put(None)
-                    continue
-                try:
-                    authorization = self._authorization(track.pair[1])
-                except ConfigError as exc:
-                    room.put(None)
-                    track.final = _merged([*track.passes, FlushResult(*track.pair, ok=False, error=str(exc))],
-                                          idle=None)
-                    continue
-                token = CancelToken(call.deadline_at, call.deadline_at + self._options.linger)
-                future = self._submit(functools.partial(transport.post, *track.pair, authorization, token), call.runner)
-                track.pending = self._inflight[track.pair] = _Pending(future, token)
-                track.joined = False
-            future.add_done_callback(lambda _: room.put(None))
+            if self._closed:
+                why = "the Flusher was closed"
+                break
+            sent += 1
+            try:
+                authorization = self._authorization(track.pair[1])
+            except ConfigError as exc:
+                room.put(None)
+                track.final = _merged([*track.passes, FlushResult(*track.pair, ok=False, error=str(exc))], idle=None)
+                continue
+            token = CancelToken(call.deadline_at, call.deadline_at + self._options.linger)
+            mine = _Pending(Future(), token)
+            pending = self._inflight.setdefault(track.pair, mine)  # one atomic step: claim the pair, or join
+            track.pending, track.joined = pending, pending is not mine
+            if track.joined:  # another call sent the pair meanwhile
+                room.put(None)
+                continue
+            mine.future.add_done_callback(lambda _: room.put(None))
+            if not call.workers.run(mine.future, functools.partial(transport.post, *track.pair, authorization, token)):
+                token.cancel("the Flusher was closed")  # (closed meanwhile by another thread)
         if sent < len(fresh):  # stopped: what still waits for a worker is never sent
             for track in fresh[:sent]:  # (first, so that the workers go quiet before the bookkeeping below)
                 if track.pending is not None and not track.joined and track.pending.future.cancel():
@@ -312,35 +301,45 @@ class Flusher:
             never = FlushResult(*track.pair, ok=False, error=f"{why} before it was sent", idle=idle)
             track.final = _merged([*track.passes, never], idle=idle) if track.passes else never
         for url in dict.fromkeys(t.pair[0] for t in tracks):
-            call.answered[url] = _when_all_answered([t.pending.future for t in call.by_server[url]
-                                                     if t.final is None and t.pending is not None])
+            waiting = [t.pending.future for t in call.by_server[url] if t.final is None and t.pending is not None]
+            call.waiting[url] = len(waiting) or 1
+            if not waiting:  # nothing to wait for: the round is answered now
+                call.answers.put(url)
+            for future in waiting:
+                future.add_done_callback(lambda _, url=url: call.answers.put(url))  # type: ignore[misc]
         return True
 
     def _joined(self, track: _Track) -> bool:
-        """Single flight (lock held): join the pair's request still out, if an earlier call sent one."""
+        """Single flight: join the pair's request still out, if an earlier call sent one."""
         pending = self._inflight.get(track.pair)
         if pending is not None:
             track.pending, track.joined = pending, True
         return pending is not None
+
+    def _forget(self, pair: Pair, pending: _Pending) -> None:
+        """Drop ``pending`` from the in-flight map, and nothing that replaced it meanwhile."""
+        taken = self._inflight.pop(pair, None)
+        if taken is not None and taken is not pending:  # another call's, put there since: put it back
+            self._inflight.setdefault(pair, taken)
 
     def _forget_finished(self) -> None:
         """Drop answered requests from the in-flight map; give up those past their linger."""
         now = time.monotonic()
         for pair, pending in list(self._inflight.items()):
             if pending.future.done():
-                del self._inflight[pair]
+                self._forget(pair, pending)
             elif pending.token.linger_until <= now:  # a peer that trickles bytes for ever
                 _give_up(pending, "linger ran out")
-                del self._inflight[pair]
+                self._forget(pair, pending)
 
     def _make_room(self, needed: int) -> None:
         """Give up the oldest lingering requests until ``needed`` fresh pairs each find a worker."""
         now = time.monotonic()
-        lingering = sorted((p for p in self._inflight.items() if p[1].token.deadline_at <= now),
+        lingering = sorted((p for p in list(self._inflight.items()) if p[1].token.deadline_at <= now),
                            key=lambda item: item[1].token.deadline_at)
         for pair, pending in lingering[:max(len(self._inflight) + needed - self._options.workers, 0)]:
             _give_up(pending, "given up to make room for fresh pairs")
-            del self._inflight[pair]
+            self._forget(pair, pending)
 
     def _authorization(self, instance_id: str) -> str | None:
         if self._bearer is None:
@@ -352,14 +351,6 @@ class Flusher:
         except Exception as exc:  # noqa: BLE001 - a user's provider; its message could hold anything
             raise ConfigError(f"the bearer provider raised {type(exc).__name__}") from None
         return "Bearer " + check_token(token, "the bearer provider's token")
-
-    def _submit(self, call: Call, runner: Runner | None) -> Future[FlushResult]:
-        if runner is not None:
-            return runner([call])[0]
-        try:
-            return self._executor_now().submit(call)
-        except RuntimeError:  # at interpreter shutdown the executor refuses work: here, in this thread
-            return _run_here(call)
 
     def _result(self, track: _Track, call: _Call) -> FlushResult:
         """The pair's result at the end of the call; a pass still out is reported unfinished."""
@@ -387,16 +378,11 @@ class Flusher:
         return _merged([*track.passes, unfinished], idle=idle)
 
     def _transport_now(self) -> Transport:
-        if self._transport is None:
+        transport = self._transport
+        if transport is None:  # two calls at once may both build one: the last is kept, the other ends with its call
             install_urllib3_filter()
-            self._transport = Transport(self._urls, self._options)
-        return self._transport
-
-    def _executor_now(self) -> ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(self._options.workers, thread_name_prefix=WORKER_THREAD_PREFIX,
-                                                initializer=block_signals)  # the trainer's signals go to its threads
-        return self._executor
+            transport = self._transport = Transport(self._urls, self._options)
+        return transport
 
     def warm_up(self) -> None:
         """Build the pool and a request now, so that nothing is imported lazily later."""
@@ -404,32 +390,28 @@ class Flusher:
 
     def abandon_in_flight(self, reason: str) -> None:
         """Give up every request in flight or lingering now (sockets shut down). Lock-free."""
-        for pending in self._inflight.copy().values():
+        for pending in list(self._inflight.values()):
             _give_up(pending, reason)
 
     def close(self) -> None:
         """Give up every request in flight, release the pool and the workers; never waits (a flush
         running in another thread returns at once, its pairs failed)."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            transport, executor = self._transport, self._executor
-            self._transport = self._executor = None
-            self.abandon_in_flight("the Flusher was closed")
-            self._inflight.clear()
+        if self._closed:
+            return
+        self._closed = True
+        transport, self._transport = self._transport, None
+        self._workers.stop()
+        self.abandon_in_flight("the Flusher was closed")
+        self._inflight.clear()
         _live.discard(self)
-        if executor is not None:
-            executor.shutdown(wait=False, cancel_futures=True)
         if transport is not None:
             transport.close()
 
     def _forget_after_fork(self) -> None:
-        """In a forked child: the parent's pool, workers, sockets and locks are not ours."""
-        self._lock = threading.RLock()
+        """In a forked child: the parent's pool, workers and sockets are not ours."""
         self._inflight = {}
         self._transport = None
-        self._executor = None
+        self._workers.forget_after_fork()
 
     def __enter__(self) -> Flusher:
         return self
@@ -464,14 +446,6 @@ def _merged(passes: list[FlushResult], *, idle: bool | None) -> FlushResult:
         passes[-1], cancelled=sum(counts) if counts else None, attempts=sum(p.attempts for p in passes),
         elapsed=sum(p.elapsed for p in passes), passes=sum(p.passes for p in passes), idle=idle,
         joined=all(p.joined for p in passes))
-
-
-def _run_here(call: Call) -> Future[FlushResult]:
-    """``call`` run now in this thread (bounded by its token), as a finished future."""
-    future: Future[FlushResult] = Future()
-    future.set_running_or_notify_cancel()
-    future.set_result(call())
-    return future
 
 
 def flush(server_urls: str | Sequence[str], instance_ids: str | Iterable[str] | Mapping[Any, str],

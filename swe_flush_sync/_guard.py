@@ -314,7 +314,7 @@ class Guard:
                                    release=self.budget.release, say=self.say, say_once=self._lines.say,
                                    metrics=self.metrics)
         self._recovery = None if ledger is None else LedgerRecovery(
-            ledger, grace=takeover_grace, connected=self._connected, stop=self._stop, send=self.deaths.send,
+            ledger, grace=takeover_grace, connected=self._connected, stop=self._stop, http=self.deaths.http,
             say=self.say, say_once=self._lines.say, metrics=self.metrics)
 
     def bind(self) -> None:

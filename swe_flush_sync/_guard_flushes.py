@@ -15,21 +15,19 @@ import functools
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from ._errors import ConfigError
-from ._flusher import Call
 from ._guard_pool import WorkPool
 from ._ledger import recover_with
 from ._liveness import is_held
 from ._options import FlushOptions
 from ._proc import Place, process_start_time
 from ._record import Record
-from ._report import FlushReport, FlushResult
+from ._report import FlushReport
 from ._resolve import URL_ENV_VARS, resolve_server_urls
-from ._threads import block_signals
+from ._threads import Workers
 from ._watch_loop import Channel
 
 if TYPE_CHECKING:
@@ -71,8 +69,7 @@ class DeathFlushes:
                  say: Callable[[str], None], say_once: Callable[[str, str], None],
                  metrics: GuardMetrics | None) -> None:
         self.pool = WorkPool("swe-flush-guard-flush", workers, say)
-        self._http = ThreadPoolExecutor(HTTP_WORKERS, thread_name_prefix="swe-flush-guard-http",
-                                        initializer=block_signals)
+        self.http = Workers("swe-flush-guard-http", HTTP_WORKERS)  # every flush's requests, shared
         self._connected = connected
         self._trainer_lock = trainer_lock
         self._release = release
@@ -90,20 +87,6 @@ class DeathFlushes:
         with self._lock:
             self._flushing.add(channel)
         self.pool.submit(functools.partial(self._flush_once_gone, channel, time.monotonic(), 0.01))
-
-    def send(self, calls: Sequence[Call]) -> list[Future[FlushResult]]:
-        """Send a flush's requests on the shared HTTP workers; one that gets no thread (a pids limit)
-        is sent by the calling thread itself."""
-        futures: list[Future[FlushResult]] = []
-        for call in calls:
-            try:
-                futures.append(self._http.submit(call))
-            except RuntimeError:
-                future: Future[FlushResult] = Future()
-                future.set_running_or_notify_cancel()
-                future.set_result(call())
-                futures.append(future)
-        return futures
 
     def _flush_once_gone(self, channel: Channel, ended: float, recheck: float) -> None:
         """Flush once the trainer's lock is free (a held lock is a live trainer: at a death the kernel
@@ -131,7 +114,7 @@ class DeathFlushes:
             return
         try:
             report = channel.flush(retry.pairs, max_workers=HTTP_WORKERS, retries=0,  # the guard retries itself
-                                   runner=self.send)
+                                   workers=self.http)
         except Exception as exc:  # noqa: BLE001 - one trainer's failure must not stop the guard
             report, why, refused = None, f"the flush failed: {type(exc).__name__}", False
             if self._metrics is not None:
@@ -187,9 +170,9 @@ class LedgerRecovery:
     lockless records only after ``grace`` seconds (its trainers may reconnect meanwhile)."""
 
     def __init__(self, ledger: str, *, grace: float, connected: collections.Counter[str], stop: threading.Event,
-                 send: Callable[[Sequence[Call]], list[Future[FlushResult]]], say: Callable[[str], None],
+                 http: Workers, say: Callable[[str], None],
                  say_once: Callable[[str, str], None], metrics: GuardMetrics | None) -> None:
-        self._ledger, self._grace, self._connected, self._stop, self._send = ledger, grace, connected, stop, send
+        self._ledger, self._grace, self._connected, self._stop, self._http = ledger, grace, connected, stop, http
         self._say, self._say_once, self._metrics = say, say_once, metrics
         self._started = time.monotonic()
 
@@ -206,7 +189,7 @@ class LedgerRecovery:
             claimed: list[int] = []
             try:
                 report = recover_with(self._ledger, None, os.environ, options, judge=self._judge,
-                                      on_claimed=claimed.append, quiet=True, runner=self._send)
+                                      on_claimed=claimed.append, quiet=True, workers=self._http)
                 if claimed:
                     self._said_recovered(claimed[0], report)
                 elif report.error:

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Final
 
 from ._errors import ConfigError
-from ._flusher import Flusher, Runner
+from ._flusher import Flusher
 from ._logs import log_report
 from ._options import FlushOptions
 from ._proc import Place, alive, process_start_time
@@ -34,7 +34,7 @@ from ._resolve import (
     resolve_server_urls,
 )
 from ._text import shown
-from ._threads import block_signals
+from ._threads import Workers, block_signals
 from ._trust import directory_problem
 
 if TYPE_CHECKING:
@@ -235,10 +235,10 @@ def recover(ledger: str, *, servers: str | Iterable[str] | None = None, environ:
 def recover_with(ledger: str, servers: str | Iterable[str] | None, environ: Mapping[str, str] | None,
                  flush_options: FlushOptions, judge: Judge | None = None,
                  on_claimed: Callable[[int], None] | None = None, quiet: bool = False,
-                 runner: Runner | None = None) -> FlushReport:
+                 workers: Workers | None = None) -> FlushReport:
     """``recover`` with built options and a guard's hooks: ``judge`` of which records are gone,
-    ``on_claimed`` told how many were flushed and settled, ``quiet`` (no log) and ``runner``."""
-    report = _recover(ledger, servers, environ, flush_options, judge, on_claimed, runner)
+    ``on_claimed`` told how many were flushed and settled, ``quiet`` (no log) and ``workers``."""
+    report = _recover(ledger, servers, environ, flush_options, judge, on_claimed, workers)
     if not quiet and (report.results or report.error):
         log_report(report)
     return report
@@ -246,7 +246,7 @@ def recover_with(ledger: str, servers: str | Iterable[str] | None, environ: Mapp
 
 def _recover(ledger: str, servers: str | Iterable[str] | None, environ: Mapping[str, str] | None,
              flush_options: FlushOptions, judge: Judge | None,
-             on_claimed: Callable[[int], None] | None, runner: Runner | None) -> FlushReport:
+             on_claimed: Callable[[int], None] | None, workers: Workers | None) -> FlushReport:
     if not isinstance(ledger, str) or not ledger.strip() or "\0" in ledger:
         raise ConfigError("ledger must be a directory path (a non-empty str)")
     env = os.environ if environ is None else environ
@@ -274,7 +274,7 @@ def _recover(ledger: str, servers: str | Iterable[str] | None, environ: Mapping[
     groups: dict[tuple[str, ...], dict[str, None]] = {}
     for _, record in claimed:
         groups.setdefault(record.urls, {}).update(dict.fromkeys(record.ids))
-    report = flush_groups(groups, flush_options, runner)
+    report = flush_groups(groups, flush_options, workers)
     set_aside = book.settle(claimed, report)
     if on_claimed is not None:
         on_claimed(len(claimed))  # after the flush and the records settled
@@ -284,16 +284,16 @@ def _recover(ledger: str, servers: str | Iterable[str] | None, environ: Mapping[
 
 
 def flush_groups(groups: Mapping[tuple[str, ...], Iterable[str]], options: FlushOptions,
-                 runner: Runner | None = None) -> FlushReport:
+                 workers: Workers | None = None) -> FlushReport:
     """Flush each set of servers' ids, logging nothing: every set at once on threads of its own, or
-    one after another through ``runner`` (a guard's shared HTTP workers)."""
+    one after another on ``workers`` (a guard's shared HTTP workers)."""
     started = time.monotonic()
 
     def flush_group(urls: tuple[str, ...], ids: Iterable[str]) -> FlushReport:
         with Flusher.from_options(urls, options) as flusher:
-            return flusher._flush_ids(normalize_instance_ids(list(ids)), options.deadline, runner=runner)
+            return flusher._flush_ids(normalize_instance_ids(list(ids)), options.deadline, workers=workers)
 
-    if runner is not None:
+    if workers is not None:
         reports = [flush_group(urls, ids) for urls, ids in groups.items()]
     else:
         with ThreadPoolExecutor(len(groups), thread_name_prefix="swe-flush-group", initializer=block_signals) as pool:

@@ -16,38 +16,38 @@ import contextlib
 import dataclasses
 import logging
 import os
-import queue
 import signal
 import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future, wait
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Final
 
 from ._errors import ConfigError, FlushError
-from ._flusher import Call, Flusher, abandon_all_in_flight
+from ._flusher import Flusher, abandon_all_in_flight
 from ._logs import WORKER_THREAD_PREFIX, log_report, urllib3_silenced
 from ._options import DEFAULT_DEADLINE, FlushOptions
 from ._report import FlushReport
 from ._resolve import URL_ENV_VARS, resolve_bearer, resolve_instance_ids, resolve_server_urls
-from ._threads import start_daemon_thread
-from ._watchdog import disarm_flushed, hand_over_to_watchdogs, warn_lost_watchdogs
+from ._threads import Workers
+from ._watchdog import SEND_TIMEOUT, disarm_flushed, hand_over_to_watchdogs, warn_lost_watchdogs
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
     from ._options import HookOptionKwargs, OptionKwargs
-    from ._report import FlushResult
 
 log = logging.getLogger(__name__)
 
 _CACHE_SIZE: Final = 8
 _HOOK_LOG_TIMEOUT: Final = 0.5  # seconds a signal or exit hook waits for its own logging
 STANDBY_THREADS: Final = 32  # idle daemon threads kept while a signal or exit hook is installed
-_cache_lock = threading.RLock()  # re-entrant: a signal may land while abort() holds it
+# No lock: a signal handler's abort() may run while the interrupted abort() is here. Each step is
+# one dict operation; two calls at once may both build a Flusher, and the one not kept is closed.
 _cache: dict[tuple[tuple[str, ...], FlushOptions], Flusher] = {}
 
 
@@ -83,48 +83,47 @@ class _State:
 def _cached_flusher(urls: tuple[str, ...], options: FlushOptions) -> Flusher:
     # The deadline and until_idle are per call: one Flusher (and single flight) serves every call.
     key = (urls, dataclasses.replace(options, deadline=DEFAULT_DEADLINE, until_idle=False, ledger=None))
-    with _cache_lock:
-        flusher = _cache.get(key)
-        if flusher is None or flusher.closed:
-            flusher = _cache[key] = Flusher.from_options(urls, key[1])
-            while len(_cache) > _CACHE_SIZE:
-                _cache.pop(next(iter(_cache))).close()
-        return flusher
+    flusher = _cache.get(key)
+    while flusher is None or flusher.closed:
+        if flusher is not None and _cache.pop(key, None) not in (flusher, None):
+            continue  # (another call put a new one there meanwhile: it is taken below)
+        made = Flusher.from_options(urls, key[1])
+        flusher = _cache.setdefault(key, made)
+        if flusher is not made:
+            made.close()  # nothing of it started
+    while len(_cache) > _CACHE_SIZE:
+        with contextlib.suppress(StopIteration, RuntimeError, KeyError):
+            _cache.pop(next(iter(_cache))).close()
+    return flusher
 
 
 @atexit.register  # registered at import, so it runs after every exit hook registered later
 def _close_cached_flushers() -> None:
-    with _cache_lock:
-        flushers = list(_cache.values())
-        _cache.clear()
+    flushers = list(_cache.values())
+    _cache.clear()
     for flusher in flushers:
         flusher.close()
 
 
 def _after_fork_in_child() -> None:
-    global _cache_lock
-    _cache_lock = threading.RLock()  # another thread of the parent may have held it
     _standby.forget_after_fork()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class _Standby:
+class _Standby(Workers):
     """Daemon threads that exist while a signal or exit hook is installed, idle until it fires.
 
     Python 3.12 starts no thread once the main thread has ended (not even in ``threading``'s exit
-    stage), and a signal may land while the executor's locks are held; these threads exist
-    already and take their work from a ``SimpleQueue``, which a signal handler may feed. More
-    are started when a flush needs them and threads can start; with none at all, the calls run
-    one by one in the calling thread. Each hook holds them from its install until it is
-    uninstalled or has fired; when the last lets go, they end (a hook installed later starts
-    them again).
+    stage): these exist already. They are ``Workers`` like a Flusher's own (the one way a flush runs),
+    with more started when a flush needs them and threads can start. Each hook holds them from its
+    install until it is uninstalled or has fired; when the last lets go, they end (a hook installed
+    later starts them again).
     """
 
     def __init__(self) -> None:
-        self._tasks: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
-        self._threads = 0
+        super().__init__(f"{WORKER_THREAD_PREFIX}-standby", STANDBY_THREADS, numbered=False)
         self._holders = 0
 
     def hold(self, count: int) -> None:
@@ -132,42 +131,11 @@ class _Standby:
         self._holders += 1
         self.keep(count)
 
-    def let_go(self) -> None:
+    def release(self) -> None:
         """A hook is uninstalled or has fired; the threads end with the last holder."""
         self._holders = max(self._holders - 1, 0)
         if not self._holders:
-            for _ in range(self._threads):
-                self._tasks.put(None)  # after the tasks already queued: each thread ends on one
-            self._threads = 0
-
-    def keep(self, count: int) -> None:
-        """Start threads until ``count`` are there (fewer where none can start)."""
-        while self._threads < count:
-            try:
-                start_daemon_thread(self._serve, name=f"{WORKER_THREAD_PREFIX}-standby")
-            except RuntimeError:  # "can't create new thread at interpreter shutdown"
-                return
-            self._threads += 1
-
-    def _serve(self) -> None:
-        while (task := self._tasks.get()) is not None:
-            future, call = task
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(call())
-                except Exception as exc:  # noqa: BLE001 - a bug: carried to the caller, as an executor does
-                    future.set_exception(exc)
-
-    def run(self, calls: Sequence[Call], workers: int) -> list[Future[FlushResult]]:
-        """Run ``calls`` on up to ``workers`` standby threads; their futures."""
-        self.keep(min(len(calls), workers))
-        futures: list[Future[FlushResult]] = [Future() for _ in calls]
-        for task in zip(futures, calls, strict=True):
-            if self._threads:
-                self._tasks.put(task)
-            elif task[0].set_running_or_notify_cancel():
-                task[0].set_result(task[1]())
-        return futures
+            self.let_go()
 
     def run_bounded(self, action: Callable[[], None], timeout: float) -> None:
         """Run ``action`` on a standby thread and wait at most ``timeout`` seconds (skipped with none).
@@ -175,16 +143,16 @@ class _Standby:
         For the hooks' own logging: a handler lock held by the interrupted code, or for ever by
         another thread (a stalled stderr pipe), must not keep the process from dying.
         """
-        if self._threads:
+        if self.threads:
             future: Future[None] = Future()
-            self._tasks.put((future, action))
-            wait([future], timeout)
+            self.run(future, action)
+            with contextlib.suppress(FutureTimeout):
+                future.result(timeout)
 
     def forget_after_fork(self) -> None:
         """In a forked child the parent's threads are gone, and so are its hooks' holds: the hooks a
         child inherits flush nothing there (a hook the child installs holds threads anew)."""
-        self._tasks = queue.SimpleQueue()
-        self._threads = 0
+        super().forget_after_fork()
         self._holders = 0
 
 
@@ -195,7 +163,9 @@ def _abort_report(args: Any, environ: Mapping[str, str] | None, options: FlushOp
                   *, hook: bool) -> FlushReport:
     """The report of one abort; never raises, never logs. ``hook``: a signal or exit hook (standby threads)."""
     started = time.monotonic()
-    hand_over_to_watchdogs(args, rearm=not hook)  # first: a death during this flush leaves the watchdog the ids
+    # First: a death during this flush leaves the watchdog the ids. Its wait takes at most half the
+    # deadline; a watchdog that ended is armed again beside the flush, never before it.
+    hand_over_to_watchdogs(args, rearm=not hook, patience=min(SEND_TIMEOUT, options.deadline / 2))
     try:
         env = os.environ if environ is None else environ
         urls = resolve_server_urls(env)
@@ -207,9 +177,9 @@ def _abort_report(args: Any, environ: Mapping[str, str] | None, options: FlushOp
             return FlushReport(elapsed=time.monotonic() - started)
         if options.admin_secret is None and options.bearer is None:
             options = dataclasses.replace(options, bearer=resolve_bearer(env))
-        runner = (lambda calls: _standby.run(calls, options.workers)) if hook else None
         budget = max(options.deadline - (time.monotonic() - started), 0.001)  # the deadline counts from the call
-        return _cached_flusher(urls, options)._flush_ids(ids, budget, until_idle=options.until_idle, runner=runner)
+        return _cached_flusher(urls, options)._flush_ids(ids, budget, until_idle=options.until_idle,
+                                                         workers=_standby if hook else None)
     except FlushError as exc:
         error = str(exc)
     except Exception as exc:  # noqa: BLE001 - the "never raises" boundary; the message could hold anything
@@ -366,7 +336,7 @@ class SignalHook:
     def _let_go(self) -> None:
         if self._holding and os.getpid() == self._pid:
             self._holding = False
-            _standby.let_go()
+            _standby.release()
 
     def _hand_over(self, signum: int, frame: FrameType | None) -> None:
         previous = self._previous.get(signum, signal.SIG_DFL)
@@ -448,7 +418,7 @@ def flush_on_signal(args: Any, *, signals: Iterable[int] = (signal.SIGTERM,), en
     try:
         return SignalHook(args, signal_tuple, environ, flush_options)
     except (ValueError, OSError) as exc:  # not a catchable signal (SIGKILL) or not a signal at all
-        _standby.let_go()
+        _standby.release()
         raise ConfigError(f"signals: cannot install a handler: {exc}") from None
 
 
@@ -477,14 +447,14 @@ class ExitHook:
         self._done = True
         self.report = _hook_flush(self._args, self._environ, self._options)
         disarm_flushed(self.report)  # the process is ending: the watchdog must not flush these pairs again
-        _standby.let_go()
+        _standby.release()
 
     def uninstall(self) -> None:
         """Turn the exit flush off (idempotent)."""
         if not self._done:
             self._done = True
             if os.getpid() == self._pid:
-                _standby.let_go()
+                _standby.release()
         if not self._at_thread_exit:
             atexit.unregister(self._run)
 

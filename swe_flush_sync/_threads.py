@@ -1,4 +1,5 @@
-"""Threads the library starts inside a trainer never take the trainer's signals.
+"""Threads the library starts inside a trainer: they never take the trainer's signals, and a flush
+reaches them without a lock.
 
 CPython runs Python signal handlers only in the main thread, once it gets past its current
 blocking call. A process-directed SIGTERM that the kernel delivers to another thread (any that
@@ -8,15 +9,27 @@ does not block it) interrupts nothing: the main thread's ``sleep``, ``lock.acqui
 thread is started while its creator blocks them (a new thread inherits its creator's mask), an
 executor's workers block them first thing (``block_signals`` as the initializer). Faults that the
 kernel sends to the thread that caused them (SIGSEGV, SIGBUS, ...) stay unblocked.
+
+A signal handler may flush at any instant, also while the thread it interrupted is inside a flush.
+So on the way from a caller to the threads that send, no lock is taken that the interrupted code
+may hold: ``Workers`` hands calls over through ``queue.SimpleQueue`` (its ``put`` is documented
+re-entrant) and counts idle threads with another, and a caller waits on a queue of its own.
+(``ThreadPoolExecutor.submit`` holds a plain ``Lock``; a handler's flush that re-entered it hung
+the trainer for ever.)
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import queue
 import signal
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, Final
+from concurrent.futures import Future
+from typing import Any, Final, TypeVar
+
+T = TypeVar("T")
 
 _SYNCHRONOUS: Final = {signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGTRAP, signal.SIGSYS,
                        signal.SIGABRT, signal.SIGKILL, signal.SIGSTOP}
@@ -47,3 +60,99 @@ def start_daemon_thread(target: Callable[..., Any], *, name: str, args: tuple[An
     with _signals_blocked():
         thread.start()
     return thread
+
+
+class Workers:
+    """Daemon threads that run calls handed to them: the one way a flush's requests reach a thread.
+
+    ``run`` puts the call on a ``SimpleQueue`` and starts a thread only when none is idle (as
+    ``ThreadPoolExecutor`` does, up to ``limit``), so a signal handler may call it while the thread it
+    interrupted is inside it. Where no thread can start at all (interpreter shutdown, a pids limit)
+    and none runs, the call runs in the calling thread. ``stop`` lets the threads end once the calls
+    already handed over are done; a stopped pool runs nothing more.
+    """
+
+    def __init__(self, name: str, limit: int, *, numbered: bool = True) -> None:
+        self._name = name
+        self._numbered = numbered  # threads named NAME_0, NAME_1, ... as an executor's are
+        self._limit = limit
+        self._numbers = itertools.count()
+        self._stopped = False
+        self._begin()
+
+    def _begin(self) -> None:
+        self._tasks: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
+        self._idle: queue.SimpleQueue[None] = queue.SimpleQueue()  # one item per thread waiting for a call
+        self._slots: queue.SimpleQueue[None] = queue.SimpleQueue()  # one item per thread that may still start
+        for _ in range(self._limit):
+            self._slots.put(None)
+
+    @property
+    def threads(self) -> int:
+        """The threads started (and starting) since the last ``let_go``."""
+        return self._limit - self._slots.qsize()
+
+    def run(self, future: Future[T], call: Callable[[], T]) -> bool:
+        """Run ``call`` into ``future`` on a thread; False (``future`` cancelled) once stopped."""
+        if self._stopped:
+            future.cancel()
+            return False
+        try:
+            self._idle.get_nowait()  # an idle thread takes it
+        except queue.Empty:
+            self._start_one()
+        if not self.threads:  # no thread could ever start: here, now (bounded by the call's own deadline)
+            if future.set_running_or_notify_cancel():
+                future.set_result(call())
+            return True
+        self._tasks.put((future, call))
+        return True
+
+    def keep(self, count: int) -> None:
+        """Start threads until ``count`` run (fewer where none can start)."""
+        while self.threads < min(count, self._limit) and self._start_one():
+            pass
+
+    def _start_one(self) -> bool:
+        """Start one more thread, if ``limit`` allows and one can start."""
+        slots = self._slots
+        try:
+            slots.get_nowait()  # a slot taken is a thread counted, whatever other callers do meanwhile
+        except queue.Empty:
+            return False
+        try:
+            name = f"{self._name}_{next(self._numbers)}" if self._numbered else self._name
+            start_daemon_thread(self._serve, name=name, args=(self._tasks, self._idle))
+        except RuntimeError:  # "can't create new thread at interpreter shutdown", a pids limit
+            slots.put(None)
+            return False
+        return True
+
+    @staticmethod
+    def _serve(tasks: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None],
+               idle: queue.SimpleQueue[None]) -> None:
+        while (task := tasks.get()) is not None:
+            future, call = task
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(call())
+                except BaseException as exc:  # noqa: BLE001 - a bug: carried to the caller, as an executor does
+                    future.set_exception(exc)
+            del task, future, call  # nothing of a finished call is kept while idle
+            idle.put(None)
+
+    def stop(self) -> None:
+        """Let every thread end after the calls already handed over; run nothing more."""
+        self._stopped = True
+        self.let_go()
+
+    def let_go(self) -> None:
+        """Let every thread end after the calls already handed over; a later ``run`` starts new ones."""
+        tasks, threads = self._tasks, self.threads
+        self._begin()
+        for _ in range(threads):
+            tasks.put(None)  # after the calls already queued: each thread ends on one
+
+    def forget_after_fork(self) -> None:
+        """In a forked child the threads are gone, and what was queued for them with them."""
+        self._begin()

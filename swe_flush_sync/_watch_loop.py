@@ -34,7 +34,7 @@ from ._wire import (
 if TYPE_CHECKING:
     from swe_flush_sync import FlushReport
 
-    from ._flusher import Runner
+    from ._threads import Workers
 
 SAY_TIMEOUT: Final = 0.5  # seconds a line to the inherited stderr may take (a reader that stopped reading)
 
@@ -238,10 +238,10 @@ class Channel:
                 say(f"swe-flush watchdog for pid {self.trainer_pid}: cannot write the ledger record: {error}")
 
     def flush(self, pairs: Mapping[str, tuple[str, ...]] | None = None, *, max_workers: int | None = None,
-              retries: int | None = None, runner: Runner | None = None) -> FlushReport | None:
+              retries: int | None = None, workers: Workers | None = None) -> FlushReport | None:
         """Flush the last state's pairs (or ``pairs``: server -> ids) without logging; None when there
         were none. ``max_workers`` caps the requests in flight, ``retries`` replaces the trainer's,
-        ``runner`` sends them (a guard's shared HTTP workers)."""
+        ``workers`` send them (a guard's shared HTTP workers)."""
         state = self.state
         if state is None or not state.get("ids") or not state.get("urls"):
             return None
@@ -258,7 +258,7 @@ class Channel:
             options["retries"] = retries
         groups: Mapping[tuple[str, ...], Iterable[str]] = {tuple(state["urls"]): state["ids"]} if pairs is None \
             else {(url,): ids for url, ids in pairs.items()}
-        return flush_groups(groups, FlushOptions(**options, linger=0.0), runner)
+        return flush_groups(groups, FlushOptions(**options, linger=0.0), workers)
 
     def mark_gone(self) -> None:
         """Say in the record that the trainer is gone and not yet flushed, so any recover may take it."""

@@ -23,6 +23,7 @@ from ._options import FlushOptions
 from ._record import DEFAULT_HEARTBEAT
 from ._resolve import URL_ENV_VARS, resolve_bearer, resolve_instance_ids, resolve_server_urls
 from ._text import shown
+from ._threads import start_daemon_thread
 from ._trust import directory_problem
 from ._watchdog_ends import ARM_TIMEOUT, GUARD_ENV_VAR, SEND_TIMEOUT, End, GuardEnd, ProcessEnd, unsaid
 from ._watchdog_link import Link
@@ -96,6 +97,7 @@ class Watchdog:
         self.ledger = ledger
         self._ledger_error: str | None = None
         self._starting = False  # _start runs (a signal handler's abort meanwhile must not start another)
+        self._rearming = False  # a thread re-arms it beside the flushes (see rearm_beside)
         self._source = _Source(args, environ, options, ledger, secrets.token_hex(16))
         self._link = Link(self._hear)
         self._end: End = ProcessEnd(self._link) if guard is None else GuardEnd(self._link, guard, self._source.token)
@@ -149,18 +151,19 @@ class Watchdog:
                 failed in an unexpected way (the message names the exception).
         """
         try:
-            return self._refresh()
+            return self._refresh(SEND_TIMEOUT)
         except (ConfigError, FlushError):
             raise
         except Exception as exc:  # the documented contract: nothing else reaches the caller
             raise FlushError(f"the watchdog could not be handed the state: unexpected {type(exc).__name__}") from exc
 
-    def _refresh(self) -> bool:
+    def _refresh(self, patience: float) -> bool:
+        """``refresh``, waiting at most ``patience`` seconds for the watchdog (or to reach the guard again)."""
         link = self._link
         payload, pairs = self._source.state(lock=self._end.liveness is not None, last=link.payload)  # user code
         written, held = link.written, link.held
         if not link.retired:
-            self._end.before_refresh(payload)
+            self._end.before_refresh(payload, patience)
         with link_module.LOCK:
             if not link.talk():
                 return False
@@ -173,7 +176,7 @@ class Watchdog:
             # call, or took more of a long one) and is not stopped: a stopped one costs each step
             # nothing (its pipe buffer taking a write is not a sign that it reads).
             reading = (caught_up or link.written > written or link.held > held) and not self._end.stopped()
-        confirmed = link.confirm(SEND_TIMEOUT if reading else 0.0)
+        confirmed = link.confirm(patience if reading else 0.0)
         self._end.after_refresh(payload)
         return confirmed
 
@@ -189,6 +192,24 @@ class Watchdog:
                 self._end.rearm(self._start)
         finally:
             _arming.release()
+
+    def rearm_beside(self) -> None:
+        """``rearm`` on a thread of its own, so that no flush waits for a new watchdog to start; what
+        happened is said at the next ``abort``. Nothing while a thread of it still runs."""
+        if self._rearming:
+            return
+        self._rearming = True
+
+        def rearming() -> None:
+            try:
+                self.rearm()
+            finally:
+                self._rearming = False
+
+        try:
+            start_daemon_thread(rearming, name="swe-flush-rearm")
+        except RuntimeError:  # no thread can start (interpreter shutdown, a pids limit): a later abort tries
+            self._rearming = False
 
     def disarm(self) -> None:
         """Let the watchdog exit without flushing (within a second); its ledger record is removed.
@@ -378,24 +399,25 @@ def _guard_path(guard: str | None, environ: Mapping[str, str]) -> str | None:
     return path
 
 
-def hand_over_to_watchdogs(args: Any, *, rearm: bool = True) -> None:
-    """Hand the ids of ``args`` to its watchdogs (``rearm``: re-arm ended ones); never raises."""
+def hand_over_to_watchdogs(args: Any, *, rearm: bool = True, patience: float = SEND_TIMEOUT) -> None:
+    """Hand the ids of ``args`` to its watchdogs, waiting at most ``patience`` seconds for each
+    (``rearm``: re-arm ended ones, on a thread beside the caller); never raises."""
     try:
-        _refresh_watchdogs(args, rearm)
+        _refresh_watchdogs(args, rearm, patience)
     except FlushError as exc:  # a watchdog's trouble never costs the flush
         unsaid.append(f"the watchdog was not handed this trainer's ids: {exc}")
     except Exception as exc:  # noqa: BLE001 - as above; the message of an unexpected error could hold anything
         unsaid.append(f"the watchdog was not handed this trainer's ids: unexpected {type(exc).__name__}")
 
 
-def _refresh_watchdogs(args: Any, rearm: bool) -> None:
+def _refresh_watchdogs(args: Any, rearm: bool, patience: float) -> None:
     with link_module.LOCK:
         mine = [(dog, dog.linked) for dog in _watchdogs if dog.args is args]
     for dog, linked in mine:
         if linked:
-            dog.refresh()
+            dog._refresh(patience)
         elif rearm:
-            dog.rearm()
+            dog.rearm_beside()
 
 
 def warn_lost_watchdogs() -> None:

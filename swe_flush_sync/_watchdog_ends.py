@@ -62,8 +62,8 @@ class End:
     def opened(self, held: bool, process: subprocess.Popen[bytes] | None, payload: bytes, patience: float) -> None:
         """After the first state was handed over: unless retired meanwhile, raise if it was not ``held``."""
 
-    def before_refresh(self, payload: bytes) -> None:
-        """Before ``payload`` is handed over by a refresh."""
+    def before_refresh(self, payload: bytes, patience: float) -> None:
+        """Before ``payload`` is handed over by a refresh that waits at most ``patience`` seconds."""
 
     def after_refresh(self, payload: bytes) -> None:
         """After a refresh handed ``payload`` over (or tried)."""
@@ -227,13 +227,13 @@ class GuardEnd(End):
             self._following = threading.Event()
             start_daemon_thread(self._follow, args=(self._following,), name="swe-flush-guard-follower")
 
-    def before_refresh(self, payload: bytes) -> None:
+    def before_refresh(self, payload: bytes, patience: float) -> None:
         """Say a refusal of this very state; reach a guard that went away (a sidecar restarted)."""
         self.after_refresh(payload)
         with link_module.LOCK:
             alive = self.link.talk()
         if not alive:
-            self._reconnect(SEND_TIMEOUT)
+            self._reconnect(patience, patience)
 
     def after_refresh(self, payload: bytes) -> None:
         """Raise the guard's refusal of ``payload``, if it refused it."""
@@ -302,9 +302,9 @@ class GuardEnd(End):
                                f"the guard follower thread met an unexpected {type(exc).__name__}; it goes on")
             stop.wait(RECONNECT_INTERVAL)
 
-    def _reconnect(self, wait: float) -> bool:
+    def _reconnect(self, wait: float, patience: float = SEND_TIMEOUT) -> bool:
         """Hand the last state (no user code) to the guard again; True when held. Waits up to ``wait``
-        for a reconnect under way."""
+        for a reconnect under way, and up to ``patience`` for the guard's word."""
         acquired = self._reconnecting.acquire(True, wait) if wait > 0 else self._reconnecting.acquire(False)
         if not acquired:
             return False
@@ -330,7 +330,7 @@ class GuardEnd(End):
                     link.close()
                     return False
                 link.queue(link.payload, link.pairs)
-            if not link.confirm(SEND_TIMEOUT):
+            if not link.confirm(patience):
                 with link_module.LOCK:
                     link.close()
                 return False

@@ -362,8 +362,10 @@ def test_a_killed_watchdog_is_noticed_and_rearmed(arm: Callable[..., Watchdog], 
     os.kill(ended, signal.SIGKILL)
     assert wait_until(lambda: not dog.armed, 10.0)
     with caplog.at_level("WARNING", logger="swe_flush_sync"):
-        abort(args, environ={}, deadline=1)  # the same ids as before: the death is said all the same
+        abort(args, environ={}, deadline=1)  # re-arms beside the flush, and says so at a later abort
+        assert wait_until(lambda: dog.armed, 20.0)
         _watchdog_pids.append(dog.pid)
+        abort(args, environ={}, deadline=1)  # the same ids as before: the death is said all the same
         assert caplog.text.count(f"the watchdog process (pid {ended}) had ended; re-armed as pid {dog.pid}") == 1
         assert dog.pid != ended and dog.armed and arm(args) is dog
         for _ in range(3):
@@ -372,7 +374,9 @@ def test_a_killed_watchdog_is_noticed_and_rearmed(arm: Callable[..., Watchdog], 
         os.kill(dog.pid, signal.SIGKILL)
         assert wait_until(lambda: not dog.armed, 10.0)
         abort(args, environ={}, deadline=1)
+        assert wait_until(lambda: dog.armed, 20.0)
         _watchdog_pids.append(dog.pid)
+        abort(args, environ={}, deadline=1)
     assert caplog.text.count("had ended") == 2 and dog.armed
     assert stub.requests == []  # SIGKILLed watchdogs flush nothing
 

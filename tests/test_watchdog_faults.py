@@ -253,7 +253,8 @@ def test_descriptors_closed_and_reused_are_never_ours(stub: AgentServerStub, tmp
             handle.write("still mine\\n")
             handle.flush()
         print("WROTE", flush=True)
-        report = abort(args, deadline=5)  # re-arms
+        report = abort(args, deadline=5)  # re-arms, beside the flush
+        until(lambda: dog.armed)
         print("REARMED", report.ok, dog.armed, dog.pid, flush=True)
         time.sleep(60)
     """)
