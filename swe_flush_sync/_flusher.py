@@ -47,11 +47,12 @@ if TYPE_CHECKING:
 
 Pair = tuple[str, str]  # (server url, instance id)
 Call = Callable[[], FlushResult]  # one request, bound to its pair and token
-# Reporting the pairs a call leaves unsent is timed each call; sending stops when the time left is
-# what reporting those still unsent took then, by this factor (a loaded host varies between calls).
-# A Flusher's first call, not timed yet, takes this many times what setting one pair up took it.
-REPORT_MARGIN: Final = 2.0
-FIRST_REPORT_FACTOR: Final = 4.0
+# Sending stops when the time left is what reporting takes: a result made for each pair still unsent,
+# then the report of every pair. Both are timed whenever a call does them (the workers still share
+# the GIL meanwhile), each new measurement weighing MEASURE_WEIGHT; until a call has measured them,
+# each is FIRST_REPORT_FACTOR times what setting a pair up took.
+FIRST_REPORT_FACTOR: Final = 2.0
+MEASURE_WEIGHT: Final = 0.5
 QUEUED_PER_WORKER: Final = 2  # pairs handed to the executor ahead of each worker
 MAX_ROUNDS: Final = 64  # passes per pair at most with until_idle (the deadline usually ends them first)
 
@@ -74,6 +75,11 @@ class _Track:
     final: FlushResult | None = None  # set when the pair needs no more passes
 
 
+class _Costs(NamedTuple):
+    unsent: float  # seconds a result for a pair left unsent takes to make
+    report: float  # seconds a pair takes to report
+
+
 class _Call(NamedTuple):
     """One flush call: its pairs, when it ends, whether it repeats until idle, who runs its requests."""
 
@@ -87,7 +93,8 @@ class _Call(NamedTuple):
     by_server: dict[str, list[_Track]]  # the tracks of each server
     waiting: dict[str, int]  # per server still going, the answers its round still waits for
     answers: queue.SimpleQueue[str]  # this call's own: the server of each request answered (its callbacks put)
-    report_cost: float  # seconds reporting one pair left unsent is expected to take
+    costs: _Costs  # seconds a result for an unsent pair, and a pair's report, are expected to take
+    made: list[float]  # [seconds making results for unsent pairs, how many] once a pass stops early
 
 
 class Flusher:
@@ -130,7 +137,6 @@ class Flusher:
         self._inflight: dict[Pair, _Pending] = {}  # single ``dict`` operations only (see the module docstring)
         self._transport: Transport | None = None
         self._workers = Workers(WORKER_THREAD_PREFIX, options.workers)
-        self._report_cost: float | None = None  # seconds per unsent pair, as the last call measured it
         self._closed = False
         _live.add(self)
 
@@ -173,28 +179,28 @@ class Flusher:
         started = time.monotonic()
         ids = normalize_instance_ids(instance_ids)
         budget = self._options.deadline if deadline is None else check_seconds(deadline, "deadline")
-        budget = max(budget - (time.monotonic() - started), 0.001)  # the deadline counts from the call
         if until_idle is not None and not isinstance(until_idle, bool):
             raise ConfigError(f"until_idle must be a bool, not {type(until_idle).__name__}")
-        report = self._flush_ids(ids, budget, until_idle=until_idle)
+        report = self._flush_ids(ids, budget, until_idle=until_idle, started=started)  # counted from the call
         log_report(report)
         return report
 
     def _flush_ids(self, ids: tuple[str, ...], budget: float, *, until_idle: bool | None = None,
-                   workers: Workers | None = None) -> FlushReport:
-        """``flush`` of validated ids, without logging; ``workers`` (the signal and exit hooks' threads)
-        run the requests instead of the Flusher's own, and nothing lingering is given up for room."""
-        started = time.monotonic()
+                   workers: Workers | None = None, started: float | None = None) -> FlushReport:
+        """``flush`` of validated ids, without logging, ``budget`` seconds from ``started`` (default: now);
+        ``workers`` (the signal and exit hooks' threads) run the requests instead of the Flusher's own,
+        and nothing lingering is given up for room."""
+        started = time.monotonic() if started is None else started
+        setting_up = time.monotonic()
         tracks = {pair: _Track(pair) for pair in ((url, i) for i in ids for url in self._urls)}  # interleaved
         repeat = self._options.until_idle if until_idle is None else until_idle
         by_server: dict[str, list[_Track]] = {url: [] for url in self._urls}
         for track in tracks.values():
             by_server[track.pair[0]].append(track)
-        report_cost = self._report_cost
-        if report_cost is None:  # not measured yet: from how fast this host set this call up
-            report_cost = FIRST_REPORT_FACTOR * (time.monotonic() - started) / max(len(tracks), 1)
+        guess = FIRST_REPORT_FACTOR * (time.monotonic() - setting_up) / max(len(tracks), 1)  # until measured
+        costs = _Costs(_measured.unsent or guess, _measured.report or guess)
         call = _Call(tracks, started, started + budget, repeat, workers or self._workers, workers is not None,
-                     dict.fromkeys(self._urls, 1), by_server, {}, queue.SimpleQueue(), report_cost)
+                     dict.fromkeys(self._urls, 1), by_server, {}, queue.SimpleQueue(), costs, [0.0, 0])
         if not call.tracks:
             return FlushReport(elapsed=time.monotonic() - started)
         # Each server's round is counted down by its answers: a server's next round never waits for
@@ -221,8 +227,11 @@ class Flusher:
             raise
         reporting = time.monotonic()
         results = tuple(self._result(call.tracks[(url, i)], call) for url in self._urls for i in ids)
-        self._report_cost = (time.monotonic() - reporting) / len(results)  # what the next call keeps for it
-        return FlushReport(results=results, elapsed=time.monotonic() - started)
+        report = FlushReport(results=results, elapsed=time.monotonic() - started)
+        _measured.report = _measured.weigh(_measured.report, (time.monotonic() - reporting) / len(results))
+        if call.made[1]:
+            _measured.unsent = _measured.weigh(_measured.unsent, call.made[0] / call.made[1])
+        return report
 
     def _end_round_if_answered(self, url: str, call: _Call) -> None:
         """All pairs of ``url`` in this round are answered: end them, or start the next round."""
@@ -265,7 +274,8 @@ class Flusher:
             room.put(None)
         sent, why = 0, "deadline passed"
         for track in fresh:
-            left = call.deadline_at - time.monotonic() - REPORT_MARGIN * call.report_cost * (len(fresh) - sent)
+            left = call.deadline_at - time.monotonic() - call.costs.report * len(tracks) \
+                - call.costs.unsent * (len(fresh) - sent)
             if sent and left <= 0:
                 break
             try:
@@ -297,9 +307,13 @@ class Flusher:
                 if track.pending is not None and not track.joined and track.pending.future.cancel():
                     track.pending.token.cancel(why)
         idle = False if call.until_idle else None
+        waited = time.monotonic() - call.started  # how long the pairs never sent were kept waiting
+        error = f"{why} before it was sent"
         for track in fresh[sent:]:  # never prepared, never sent
-            never = FlushResult(*track.pair, ok=False, error=f"{why} before it was sent", idle=idle)
+            never = FlushResult(*track.pair, ok=False, elapsed=waited, error=error, idle=idle)
             track.final = _merged([*track.passes, never], idle=idle) if track.passes else never
+        call.made[0] += time.monotonic() - call.started - waited
+        call.made[1] += len(fresh) - sent
         for url in dict.fromkeys(t.pair[0] for t in tracks):
             waiting = [t.pending.future for t in call.by_server[url] if t.final is None and t.pending is not None]
             call.waiting[url] = len(waiting) or 1
@@ -466,6 +480,17 @@ def flush(server_urls: str | Sequence[str], instance_ids: str | Iterable[str] | 
 
 
 _live: weakref.WeakSet[Flusher] = weakref.WeakSet()
+
+
+class _measured:
+    """What this host was last measured to take, in seconds: a result made for an unsent pair, a pair's report."""
+
+    unsent: float | None = None
+    report: float | None = None
+
+    @staticmethod
+    def weigh(before: float | None, measured: float) -> float:
+        return measured if before is None else before + MEASURE_WEIGHT * (measured - before)
 
 
 def abandon_all_in_flight(reason: str = "given up at interpreter exit") -> None:

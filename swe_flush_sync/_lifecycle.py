@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -107,6 +108,7 @@ def _close_cached_flushers() -> None:
 
 def _after_fork_in_child() -> None:
     _standby.forget_after_fork()
+    _async_workers.forget_after_fork()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -157,6 +159,7 @@ class _Standby(Workers):
 
 
 _standby = _Standby()
+_async_workers = Workers(f"{WORKER_THREAD_PREFIX}-async", STANDBY_THREADS)  # abort_async's calls of abort
 
 
 def _abort_report(args: Any, environ: Mapping[str, str] | None, options: FlushOptions,
@@ -254,7 +257,9 @@ async def abort_async(args: Any, *, environ: Mapping[str, str] | None = None,
 
     A drop-in async abort hook (``from swe_flush_sync import abort_async as abort``). Takes
     exactly the arguments of ``abort`` and returns its ``FlushReport``. Cancelling the awaiting
-    task does not stop the flush, which still ends by its deadline.
+    task does not stop the flush, which still ends by its deadline. It runs on the library's own
+    threads, not the loop's default executor (whose ``submit`` holds a lock a signal handler's
+    flush could wait on for ever).
 
     Examples:
         ```python
@@ -263,7 +268,9 @@ async def abort_async(args: Any, *, environ: Mapping[str, str] | None = None,
     """
     import asyncio  # loaded already wherever a coroutine runs; not paid by sync trainers
 
-    return await asyncio.to_thread(abort, args, environ=environ, **options)
+    done: Future[FlushReport] = Future()
+    _async_workers.run(done, functools.partial(abort, args, environ=environ, **options))
+    return await asyncio.wrap_future(done)
 
 
 def _hook_flush(args: Any, environ: Mapping[str, str] | None, options: FlushOptions) -> FlushReport:

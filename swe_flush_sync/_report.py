@@ -22,7 +22,7 @@ class FlushResult:
         status_code: the last HTTP status received, None if no answer came.
         cancelled: trials the server reported cancelled; None if it did not say.
         attempts: HTTP attempts actually made (0 if the pair was never sent).
-        elapsed: seconds spent on this pair.
+        elapsed: seconds spent on this pair (one never sent: how long the call kept it waiting).
         error: why it failed, None when ok.
         joined: True when this call sent nothing for the pair but waited on a request an
             earlier call had left in flight (single flight); the answer is that request's.

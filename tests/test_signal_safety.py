@@ -27,9 +27,9 @@ DEADLINE = 2.0
 MARGIN = 1.5  # a loaded host's scheduling, on top of the deadline
 
 STORM = """
-import faulthandler, random, threading
+import asyncio, faulthandler, random, threading
 faulthandler.register(signal.SIGUSR2)  # the test asks for every thread's stack before it ends a hung trainer
-from swe_flush_sync import Flusher, flush
+from swe_flush_sync import Flusher, abort_async, flush
 URL, SECRET = os.environ["AGENT_SERVER_URL"], os.environ["HARBOR_ADMIN_SECRET"]
 DEADLINE = {deadline}
 flusher = Flusher(URL, admin_secret=SECRET)
@@ -91,6 +91,11 @@ CALLS = {
     "Flusher.flush": ("flusher.flush([f'm-{steps[0]}', 'wd-a'], deadline=DEADLINE)",
                       "flusher.flush([f'h-{handled[0]}', 'wd-a'], deadline=DEADLINE)"),
     "refresh": ("abort(args, deadline=DEADLINE)", "dog.refresh()"),
+    # (a handler cannot start an event loop while the one it interrupted runs: one side is synchronous)
+    "abort_async in the handler": ("abort(args, deadline=DEADLINE)",
+                                   "asyncio.run(abort_async(handler_args, deadline=DEADLINE))"),
+    "abort_async interrupted": ("asyncio.run(abort_async(args, deadline=DEADLINE))",
+                                "abort(handler_args, deadline=DEADLINE)"),
 }
 
 
@@ -131,7 +136,7 @@ def test_a_handlers_abort_during_the_main_threads_abort_never_hangs(stub: AgentS
     weathered(storm(stub, "abort"))
 
 
-@pytest.mark.parametrize("call", ["flush", "Flusher.flush"])
+@pytest.mark.parametrize("call", ["flush", "Flusher.flush", "abort_async in the handler", "abort_async interrupted"])
 def test_a_handlers_flush_during_the_main_threads_flush_never_hangs(stub: AgentServerStub, call: str) -> None:
     weathered(storm(stub, call))
 
