@@ -53,7 +53,7 @@ Call = Callable[[], FlushResult]  # one request, bound to its pair and token
 # each is FIRST_REPORT_FACTOR times what setting a pair up took.
 FIRST_REPORT_FACTOR: Final = 2.0
 MEASURE_WEIGHT: Final = 0.5
-QUEUED_PER_WORKER: Final = 2  # pairs handed to the executor ahead of each worker
+QUEUED_PER_WORKER: Final = 2  # pairs handed to the workers ahead of each worker thread
 MAX_ROUNDS: Final = 64  # passes per pair at most with until_idle (the deadline usually ends them first)
 
 
@@ -100,8 +100,9 @@ class _Call(NamedTuple):
 class Flusher:
     """Flushes instance ids on agent servers in parallel, within a deadline; reusable.
 
-    Keeps one ``requests.Session`` (pool sized to the workers) and one ``ThreadPoolExecutor``
-    across calls: build it once, call ``flush`` every step. Thread- and fork-safe; a context manager.
+    Keeps one ``requests.Session`` (pool sized to the workers) and its worker threads
+    across calls: build it once, call ``flush`` every step. Thread-, fork- and signal-safe (a signal
+    handler may flush while the thread it interrupted is inside ``flush``); a context manager.
 
     Args:
         server_urls: an agent server URL, a comma-separated list, or a sequence of URLs.

@@ -163,7 +163,11 @@ def test_a_watchdog_that_died_is_armed_again_beside_the_flush(stub: AgentServerS
     slow_python.chmod(slow_python.stat().st_mode | stat.S_IXUSR)
     trainer = Trainer(stub, stdin=True, body=f"""
         import logging
-        logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="LOG %(message)s")
+        said = []
+        class Keep(logging.Handler):
+            def emit(self, record):
+                said.append(record.getMessage())
+        logging.getLogger("swe_flush_sync").addHandler(Keep())
         dog = watchdog(args, until_idle=False)
         armed(dog)
         sys.stdin.readline()  # the watchdog is SIGKILLed meanwhile
@@ -175,7 +179,8 @@ def test_a_watchdog_that_died_is_armed_again_beside_the_flush(stub: AgentServerS
         print("ABORTED", round(time.monotonic() - started, 3), report.ok, flush=True)
         until(lambda: dog.armed)
         print("REARMED", dog.pid, flush=True)
-        abort(args, deadline=0.5)  # says what happened meanwhile
+        until(lambda: abort(args, deadline=0.5).ok and said)  # a later abort says what happened meanwhile
+        print("SAID", said, flush=True)
         dog.disarm()
     """)
     first = trainer.armed()
@@ -188,8 +193,8 @@ def test_a_watchdog_that_died_is_armed_again_beside_the_flush(stub: AgentServerS
     second = int(trainer.read("REARMED", timeout=30)[1])
     _watchdog_pids.append(second)
     assert second != first
-    line = trainer.read("LOG", timeout=30)
-    assert "re-armed as pid" in " ".join(line), line
+    line = " ".join(trainer.read("SAID", timeout=30))
+    assert f"had ended; re-armed as pid {second}" in line, line
     _, err = trainer.proc.communicate(timeout=30)
     assert trainer.proc.returncode == 0, err
 

@@ -365,7 +365,8 @@ def test_a_killed_watchdog_is_noticed_and_rearmed(arm: Callable[..., Watchdog], 
         abort(args, environ={}, deadline=1)  # re-arms beside the flush, and says so at a later abort
         assert wait_until(lambda: dog.armed, 20.0)
         _watchdog_pids.append(dog.pid)
-        abort(args, environ={}, deadline=1)  # the same ids as before: the death is said all the same
+        # the same ids as before: the death is said all the same, once the re-arming thread has said it
+        assert wait_until(lambda: abort(args, environ={}, deadline=1).ok and "had ended" in caplog.text, 20.0)
         assert caplog.text.count(f"the watchdog process (pid {ended}) had ended; re-armed as pid {dog.pid}") == 1
         assert dog.pid != ended and dog.armed and arm(args) is dog
         for _ in range(3):
@@ -376,7 +377,8 @@ def test_a_killed_watchdog_is_noticed_and_rearmed(arm: Callable[..., Watchdog], 
         abort(args, environ={}, deadline=1)
         assert wait_until(lambda: dog.armed, 20.0)
         _watchdog_pids.append(dog.pid)
-        abort(args, environ={}, deadline=1)
+        assert wait_until(lambda: abort(args, environ={}, deadline=1).ok and caplog.text.count("had ended") == 2,
+                          20.0)
     assert caplog.text.count("had ended") == 2 and dog.armed
     assert stub.requests == []  # SIGKILLed watchdogs flush nothing
 
