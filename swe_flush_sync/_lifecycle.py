@@ -14,7 +14,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
-import functools
 import logging
 import os
 import signal
@@ -34,7 +33,7 @@ from ._logs import WORKER_THREAD_PREFIX, log_report, urllib3_silenced
 from ._options import DEFAULT_DEADLINE, FlushOptions
 from ._report import FlushReport
 from ._resolve import URL_ENV_VARS, resolve_bearer, resolve_instance_ids, resolve_server_urls
-from ._threads import Workers
+from ._threads import Workers, start_daemon_thread
 from ._watchdog import SEND_TIMEOUT, disarm_flushed, hand_over_to_watchdogs, warn_lost_watchdogs
 
 if TYPE_CHECKING:
@@ -108,7 +107,6 @@ def _close_cached_flushers() -> None:
 
 def _after_fork_in_child() -> None:
     _standby.forget_after_fork()
-    _async_workers.forget_after_fork()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -159,7 +157,6 @@ class _Standby(Workers):
 
 
 _standby = _Standby()
-_async_workers = Workers(f"{WORKER_THREAD_PREFIX}-async", STANDBY_THREADS)  # abort_async's calls of abort
 
 
 def _abort_report(args: Any, environ: Mapping[str, str] | None, options: FlushOptions,
@@ -269,7 +266,18 @@ async def abort_async(args: Any, *, environ: Mapping[str, str] | None = None,
     import asyncio  # loaded already wherever a coroutine runs; not paid by sync trainers
 
     done: Future[FlushReport] = Future()
-    _async_workers.run(done, functools.partial(abort, args, environ=environ, **options))
+
+    def run() -> None:  # on a thread of its own, which ends with the call
+        if done.set_running_or_notify_cancel():
+            try:
+                done.set_result(abort(args, environ=environ, **options))
+            except BaseException as exc:  # noqa: BLE001 - a misspelt option: raised where it is awaited
+                done.set_exception(exc)
+
+    try:
+        start_daemon_thread(run, name=f"{WORKER_THREAD_PREFIX}-async")
+    except RuntimeError:  # no thread can start (interpreter shutdown, a pids limit): here, within the deadline
+        run()
     return await asyncio.wrap_future(done)
 
 
