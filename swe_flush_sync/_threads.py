@@ -105,7 +105,10 @@ class Workers:
             if future.set_running_or_notify_cancel():
                 future.set_result(call())
             return True
-        self._tasks.put((future, call))
+        tasks = self._tasks
+        tasks.put((future, call))
+        if self._stopped or self._tasks is not tasks:  # stopped or let go meanwhile (another thread): the put
+            future.cancel()  # may have landed behind the threads' ends or with none; still queued, it never runs
         return True
 
     def keep(self, count: int) -> None:
