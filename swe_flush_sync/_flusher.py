@@ -52,6 +52,8 @@ Call = Callable[[], FlushResult]  # one request, bound to its pair and token
 # the GIL meanwhile), each new measurement weighing MEASURE_WEIGHT; until a call has measured them,
 # each is FIRST_REPORT_FACTOR times what setting a pair up took.
 FIRST_REPORT_FACTOR: Final = 2.0
+FIRST_REPORT_MAX: Final = 5e-6  # the guess at most: a loaded 2-core host measured 3-5 µs (a first call's
+# set-up, slowed by the trainer's other threads, once guessed past a whole 5 s deadline at 100,000 ids)
 MEASURE_WEIGHT: Final = 0.5
 QUEUED_PER_WORKER: Final = 2  # pairs handed to the workers ahead of each worker thread
 MAX_ROUNDS: Final = 64  # passes per pair at most with until_idle (the deadline usually ends them first)
@@ -198,7 +200,7 @@ class Flusher:
         by_server: dict[str, list[_Track]] = {url: [] for url in self._urls}
         for track in tracks.values():
             by_server[track.pair[0]].append(track)
-        guess = FIRST_REPORT_FACTOR * (time.monotonic() - setting_up) / max(len(tracks), 1)  # until measured
+        guess = min(FIRST_REPORT_FACTOR * (time.monotonic() - setting_up) / max(len(tracks), 1), FIRST_REPORT_MAX)
         costs = _Costs(_measured.unsent or guess, _measured.report or guess)
         call = _Call(tracks, started, started + budget, repeat, workers or self._workers, workers is not None,
                      dict.fromkeys(self._urls, 1), by_server, {}, queue.SimpleQueue(), costs, [0.0, 0])
