@@ -35,7 +35,7 @@ from ._auth import check_token
 from ._errors import ConfigError, FlushError
 from ._logs import WORKER_THREAD_PREFIX, install_urllib3_filter, log_report
 from ._options import FlushOptions, check_seconds
-from ._report import FlushReport, FlushResult
+from ._report import FlushReport, FlushResult, collector_paused, never_sent
 from ._resolve import normalize_instance_ids, normalize_server_urls
 from ._threads import Workers
 from ._transport import CancelToken, Transport
@@ -48,12 +48,14 @@ if TYPE_CHECKING:
 Pair = tuple[str, str]  # (server url, instance id)
 Call = Callable[[], FlushResult]  # one request, bound to its pair and token
 # Sending stops when the time left is what reporting takes: a result made for each pair still unsent,
-# then the report of every pair. Both are timed whenever a call does them (the workers still share
-# the GIL meanwhile), each new measurement weighing MEASURE_WEIGHT; until a call has measured them,
-# each is FIRST_REPORT_FACTOR times what setting a pair up took.
+# then the report of every pair sent. Each is measured in CPU seconds of the calling thread a pair whenever a
+# call does it (each new measurement weighing MEASURE_WEIGHT), which the size of a call and passing
+# stalls barely change, and scaled by how much longer than its CPU time this call's own set-up took:
+# the share of a core the trainer's other threads and the host leave the call now. Until a call has
+# measured them, each is FIRST_REPORT_FACTOR times what setting a pair up took, at most FIRST_REPORT_MAX.
 FIRST_REPORT_FACTOR: Final = 2.0
-FIRST_REPORT_MAX: Final = 5e-6  # the guess at most: a loaded 2-core host measured 3-5 µs (a first call's
-# set-up, slowed by the trainer's other threads, once guessed past a whole 5 s deadline at 100,000 ids)
+FIRST_REPORT_MAX: Final = 5e-6  # a loaded 2-core host measured 3-5 µs (a first call's set-up, slowed by
+# the trainer's other threads, once guessed past a whole 5 s deadline at 100,000 ids)
 MEASURE_WEIGHT: Final = 0.5
 QUEUED_PER_WORKER: Final = 2  # pairs handed to the workers ahead of each worker thread
 MAX_ROUNDS: Final = 64  # passes per pair at most with until_idle (the deadline usually ends them first)
@@ -78,8 +80,8 @@ class _Track:
 
 
 class _Costs(NamedTuple):
-    unsent: float  # seconds a result for a pair left unsent takes to make
-    report: float  # seconds a pair takes to report
+    unsent: float  # seconds a result for a pair left unsent takes to make (CPU seconds, in ``_measured``)
+    report: float  # seconds a sent pair takes to report (one never sent is reported as it is made)
 
 
 class _Call(NamedTuple):
@@ -95,8 +97,8 @@ class _Call(NamedTuple):
     by_server: dict[str, list[_Track]]  # the tracks of each server
     waiting: dict[str, int]  # per server still going, the answers its round still waits for
     answers: queue.SimpleQueue[str]  # this call's own: the server of each request answered (its callbacks put)
-    costs: _Costs  # seconds a result for an unsent pair, and a pair's report, are expected to take
-    made: list[float]  # [seconds making results for unsent pairs, how many] once a pass stops early
+    costs: _Costs  # seconds a result for an unsent pair, and a sent pair's report, are expected to take now
+    made: list[float]  # [CPU seconds making results for unsent pairs, how many] once a pass stops early
 
 
 class Flusher:
@@ -194,14 +196,17 @@ class Flusher:
         ``workers`` (the signal and exit hooks' threads) run the requests instead of the Flusher's own,
         and nothing lingering is given up for room."""
         started = time.monotonic() if started is None else started
-        setting_up = time.monotonic()
+        setting_up, set_up_cpu = time.monotonic(), time.thread_time()
         tracks = {pair: _Track(pair) for pair in ((url, i) for i in ids for url in self._urls)}  # interleaved
         repeat = self._options.until_idle if until_idle is None else until_idle
         by_server: dict[str, list[_Track]] = {url: [] for url in self._urls}
         for track in tracks.values():
             by_server[track.pair[0]].append(track)
-        guess = min(FIRST_REPORT_FACTOR * (time.monotonic() - setting_up) / max(len(tracks), 1), FIRST_REPORT_MAX)
-        costs = _Costs(_measured.unsent or guess, _measured.report or guess)
+        set_up_cpu = max(time.thread_time() - set_up_cpu, 1e-9)
+        slowdown = max((time.monotonic() - setting_up) / set_up_cpu, 1.0)
+        guess = min(FIRST_REPORT_FACTOR * slowdown * set_up_cpu / max(len(tracks), 1), FIRST_REPORT_MAX)
+        costs = _Costs(slowdown * _measured.unsent if _measured.unsent else guess,
+                       slowdown * _measured.report if _measured.report else guess)
         call = _Call(tracks, started, started + budget, repeat, workers or self._workers, workers is not None,
                      dict.fromkeys(self._urls, 1), by_server, {}, queue.SimpleQueue(), costs, [0.0, 0])
         if not call.tracks:
@@ -228,10 +233,13 @@ class Flusher:
                 if track.pending is not None and not track.joined:
                     _give_up(track.pending, "interrupted")
             raise
-        reporting = time.monotonic()
-        results = tuple(self._result(call.tracks[(url, i)], call) for url in self._urls for i in ids)
+        reporting = time.thread_time()
+        with collector_paused():
+            results = tuple(self._result(track, call) if track.final is None else track.final
+                            for url in self._urls for track in call.by_server[url])
         report = FlushReport(results=results, elapsed=time.monotonic() - started)
-        _measured.report = _measured.weigh(_measured.report, (time.monotonic() - reporting) / len(results))
+        sent = max(len(results) - call.made[1], 1)
+        _measured.report = _measured.weigh(_measured.report, (time.thread_time() - reporting) / sent)
         if call.made[1]:
             _measured.unsent = _measured.weigh(_measured.unsent, call.made[0] / call.made[1])
         return report
@@ -277,8 +285,9 @@ class Flusher:
             room.put(None)
         sent, why = 0, "deadline passed"
         for track in fresh:
-            left = call.deadline_at - time.monotonic() - call.costs.report * len(tracks) \
-                - call.costs.unsent * (len(fresh) - sent)
+            unsent = len(fresh) - sent
+            left = call.deadline_at - time.monotonic() - call.costs.report * (len(call.tracks) - unsent) \
+                - call.costs.unsent * unsent
             if sent and left <= 0:
                 break
             try:
@@ -312,10 +321,13 @@ class Flusher:
         idle = False if call.until_idle else None
         waited = time.monotonic() - call.started  # how long the pairs never sent were kept waiting
         error = f"{why} before it was sent"
-        for track in fresh[sent:]:  # never prepared, never sent
-            never = FlushResult(*track.pair, ok=False, elapsed=waited, error=error, idle=idle)
-            track.final = _merged([*track.passes, never], idle=idle) if track.passes else never
-        call.made[0] += time.monotonic() - call.started - waited
+        making = time.thread_time()
+        with collector_paused():
+            for url, never_tracks in _by_server(fresh[sent:]).items():  # never prepared, never sent
+                nevers = never_sent(url, [t.pair[1] for t in never_tracks], elapsed=waited, error=error, idle=idle)
+                for track, never in zip(never_tracks, nevers, strict=True):
+                    track.final = _merged([*track.passes, never], idle=idle) if track.passes else never
+        call.made[0] += time.thread_time() - making
         call.made[1] += len(fresh) - sent
         for url in dict.fromkeys(t.pair[0] for t in tracks):
             waiting = [t.pending.future for t in call.by_server[url] if t.final is None and t.pending is not None]
@@ -440,6 +452,13 @@ class Flusher:
         return f"Flusher(server_urls={self._urls!r}, options={self._options!r})"
 
 
+def _by_server(tracks: list[_Track]) -> dict[str, list[_Track]]:
+    grouped: dict[str, list[_Track]] = {}
+    for track in tracks:
+        grouped.setdefault(track.pair[0], []).append(track)
+    return grouped
+
+
 def _give_up(pending: _Pending, reason: str) -> None:
     pending.future.cancel()
     pending.token.cancel(reason)
@@ -486,7 +505,8 @@ _live: weakref.WeakSet[Flusher] = weakref.WeakSet()
 
 
 class _measured:
-    """What this host was last measured to take, in seconds: a result made for an unsent pair, a pair's report."""
+    """What this host was last measured to take, in CPU seconds of the calling thread: a result made
+    for an unsent pair, the report of a pair sent."""
 
     unsent: float | None = None
     report: float | None = None

@@ -5,13 +5,16 @@ never sent is reported as such."""
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import json
 import subprocess
 import textwrap
 
 import pytest
 
-from swe_flush_sync import flush
+from swe_flush_sync import FlushResult, flush
+from swe_flush_sync._report import collector_paused, never_sent
 from swe_flush_sync.testing import AgentServerStub
 
 from .conftest import PYTHON, SECRET, subprocess_env
@@ -74,3 +77,35 @@ def test_a_pass_larger_than_the_workers_prepares_only_what_they_take() -> None:
     assert set(ids) - set(asked) <= set(never)  # (those queued for a worker, prepared, are never sent too)
     assert set(flushed) <= set(asked)
     assert sum(r.ok for r in report.results) == 2 and len(flushed) >= 2
+
+
+def test_results_of_pairs_never_sent_are_the_results_flush_reports() -> None:
+    """``never_sent`` builds results slot by slot, for speed: each equals the ``FlushResult`` it
+    stands for, field by field, in repr, hash and frozenness."""
+    made = never_sent("http://agent:8000", ["a", "b"], elapsed=1.5, error="deadline passed before it was sent",
+                      idle=False)
+    expected = [FlushResult("http://agent:8000", i, ok=False, elapsed=1.5, error="deadline passed before it was sent",
+                            idle=False) for i in ("a", "b")]
+    assert made == expected and [repr(r) for r in made] == [repr(r) for r in expected]
+    assert [dataclasses.astuple(r) for r in made] == [dataclasses.astuple(r) for r in expected]
+    assert hash(made[0]) == hash(expected[0])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made[0].ok = True  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_collector_is_paused_while_results_are_built_and_left_as_found(enabled: bool) -> None:
+    was = gc.isenabled()
+    try:
+        (gc.enable if enabled else gc.disable)()
+        with collector_paused():
+            assert not gc.isenabled()
+            with collector_paused():  # a signal handler's call inside a call: the outer one resumes it
+                assert not gc.isenabled()
+            assert not gc.isenabled()
+        assert gc.isenabled() is enabled
+        with pytest.raises(KeyboardInterrupt), collector_paused():
+            raise KeyboardInterrupt
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
