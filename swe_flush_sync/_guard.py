@@ -257,14 +257,22 @@ def checked_state(state: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         raise ValueError("trainer must be 32 lowercase hex digits")
     if not isinstance(state.get("lock", False), bool):
         raise ValueError("lock must be true or false")
+    pid = state.get("pid")
+    if pid is not None and (type(pid) is not int or pid <= 0):
+        raise ValueError("pid must be a positive integer")
     known = {key: value for key, value in options.items() if key in _OPTION_KEYS}
     if isinstance(known.get("client_cert"), list):
         known["client_cert"] = tuple(known["client_cert"])
     FlushOptions(**known, linger=0.0)  # ConfigError (a ValueError) names the bad option
     return ({"urls": list(normalize_server_urls(urls, "urls")) if urls else [],
              "ids": list(normalize_instance_ids(ids)), "tokens": tokens, "options": known, "trainer": trainer,
-             "lock": state.get("lock") is True and trainer is not None},
+             "pid": pid, "lock": state.get("lock") is True and trainer is not None},
             sorted(str(key) for key in options if key not in _OPTION_KEYS))
+
+
+def _named(state: dict[str, Any], peer_pid: int) -> str:
+    """A trainer as its own PID namespace sees it (the pid in its state), else as this guard's does."""
+    return f"pid {state.get('pid') or peer_pid}"
 
 
 def raise_nofile_limit() -> int:
@@ -308,7 +316,7 @@ class Guard:
         os.set_blocking(self._wake_write, False)  # a full pipe wakes the loop already: a write never waits
         self.max_peers = 0
         self.socket = SocketPath(path, self.loop, self._accept, self.say, self._lines.say,
-                                 lambda path: guard_status(path) is not None)
+                                 _serving)
         self.metrics = GuardMetrics(self.trainers, lambda: len(self.deaths.retrying)) if metrics else None
         self.deaths = DeathFlushes(flush_workers, connected=self._connected, trainer_lock=self._trainer_lock,
                                    release=self.budget.release, say=self.say, say_once=self._lines.say,
@@ -363,7 +371,7 @@ class Guard:
         fd = conn.detach()
         os.set_blocking(fd, False)
         peer = _Peer()
-        channel = Channel(fd, fd, pid, strict=True, ledger=self.ledger, heartbeat=self.heartbeat,
+        channel = Channel(fd, fd, pid, trainer_uid=uid, strict=True, ledger=self.ledger, heartbeat=self.heartbeat,
                           check=functools.partial(self._checked, pid=pid, peer=peer), status=self._status,
                           ledger_io=self._records.submit if self._records is not None else None,
                           locks=self._record_locks, offload=self._offload)
@@ -417,17 +425,16 @@ class Guard:
         return False
 
     def _checked(self, state: dict[str, Any], first: bool, size: int, pid: int, peer: _Peer) -> dict[str, Any]:
-        """A state as the guard holds it; a draining guard refuses new trainers only (held ones update),
-        and past the budget a new or grown state is refused (the last one held stays held)."""
-        if self._stopping_since is not None and first:
-            raise ValueError("the guard is stopping (draining); arm against the next one")
+        """A state as the guard holds it; past the budget a new or grown state is refused (the last one
+        held stays held). A draining guard arms new trainers too (until a successor takes the path, the
+        path is its): at the drain's end they are handed over with the others."""
         state, dropped = checked_state(state)
         self.budget.take(peer, size)
         if first and isinstance(state.get("trainer"), str):
             self._connected[state["trainer"]] += 1
         if dropped and not peer.said_options:  # once per connection
             peer.said_options = True
-            self.say(f"trainer pid {pid} sent options this guard does not know, dropped: "
+            self.say(f"trainer {_named(state, pid)} sent options this guard does not know, dropped: "
                      f"{shown(', '.join(dropped))} (upgrade the guard)")
         return state
 
@@ -451,7 +458,7 @@ class Guard:
             return
         if channel.error is not None:
             self._lines.say("dropped connection",
-                            f"dropped the connection of pid {channel.trainer_pid}: it sent {channel.error}")
+                            f"dropped the connection of {channel.who}: it sent {channel.error}")
             if self.metrics is not None:
                 self.metrics.dropped.labels("bad_message").inc()
             channel.settle(None)
@@ -473,7 +480,8 @@ class Guard:
             self.loop.take_parsed(channel, parsed, size)
         if self._stop.is_set() and self._stopping_since is None:
             self._stopping_since = time.monotonic()
-            self.socket.give_up()  # a successor binds at once; the trainers held here stay held until the drain ends
+            self.socket.hand_over()  # a successor binds at once; until then new trainers arm here, and all
+            # that are held here stay held until the drain ends
 
     def stop(self) -> None:
         """Stop taking trainers (from a signal handler too); the connected ones are watched for ``drain`` s."""
@@ -522,11 +530,17 @@ class Guard:
         for channel in held:
             self._handed_over.add(channel)
             self.loop.end(channel)
-        pids = ", ".join(str(channel.trainer_pid) for channel in held) or "none"
+        pids = ", ".join(channel.who for channel in held) or "none"
         lockless = len(held) - len(locked)
         self.say(f"drain time ({self.drain:g} s) is up; handed over trainers {pids} (they arm with the next guard)"
                  + (f"; {lockless} of them hold no lock: a successor judges them by a grace" if lockless else "")
                  + ("; flushes still running" if self.deaths.count() else ""))
+
+
+def _serving(path: str) -> bool:
+    """Is a guard serving ``path``, and not draining? (``ImpostorError`` for another uid's socket)."""
+    status = guard_status(path)
+    return status is not None and not status.draining
 
 
 def guard_status(path: str) -> GuardStatus | None:

@@ -107,7 +107,7 @@ class DeathFlushes:
         """One attempt at a dead trainer's flush, on a flush worker. A failed one is put back on the
         heap with backoff (``/flush`` is idempotent; 401/403 slowly) until every pair is flushed, the
         record is no longer the guard's, or ``RETRY_GIVE_UP`` has passed since the death."""
-        who = f"trainer pid {channel.trainer_pid}"
+        who = f"trainer {channel.who}"
         if retry.attempt > 1 and channel.keeper is not None and not os.path.exists(channel.keeper.path):
             self._done(channel)  # a recover claimed the record (and flushed it), or it was removed
             self._say_once("claimed", f"{who}: its record was taken by a recover or removed; retries end")

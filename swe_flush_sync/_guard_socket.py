@@ -4,6 +4,10 @@ One guard per path is decided by ``flock`` on ``PATH.lock``, held for the guard'
 guard exits, however busy the first. A stale socket (a guard that died, or another uid's) is
 replaced; a path removed or replaced while the guard lives (a tmp cleaner, another container on
 a shared folder) is taken back within ``PATH_CHECK`` seconds. Accepting pauses at EMFILE.
+
+A draining guard lets the path's lock go but keeps listening, so that the path always answers:
+a successor takes the lock, replaces the draining guard's socket (one answering "draining" is
+not a guard serving the path) and binds; the draining guard then stops listening.
 """
 
 from __future__ import annotations
@@ -40,8 +44,8 @@ class SocketPath:
     Args:
         say: writes one line (a warning the guard's operator should see).
         say_once: ``(kind, line)``: a line said at most once a minute per kind.
-        served_by_guard: is a guard of this uid answering at a path? (raises ``ImpostorError`` for
-            another uid's socket).
+        served_by_guard: is a guard of this uid, not draining, answering at a path? (raises
+            ``ImpostorError`` for another uid's socket).
     """
 
     def __init__(self, path: str, loop: WatchLoop, on_readable: Callable[[], None], say: Callable[[str], None],
@@ -55,6 +59,7 @@ class SocketPath:
         self._listener: socket.socket | None = None
         self._identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket file we bound
         self._lock_fd: int | None = None
+        self.handed_over = False  # draining: the lock is let go, the socket answers until a successor binds
         self.paused_until: float | None = None
         self._checked_at = time.monotonic()
 
@@ -125,6 +130,10 @@ class SocketPath:
         self._loop.unwatch(self._listener.fileno())
         self._listener.close()
         self._listener = None
+        if self.handed_over:  # a successor took the path (or it went): the draining guard takes it no more
+            self._say(f"the socket at {shown(self.path)} is no longer this draining guard's: new trainers arm "
+                      "with the guard that took it")
+            return
         try:
             self._take_path()
             self._listen()
@@ -133,6 +142,14 @@ class SocketPath:
                                    f"back yet: {exc}; trying again every {PATH_CHECK:g} s")
             return
         self._say(f"the socket at {shown(self.path)} was removed or replaced; listening there again")
+
+    def hand_over(self) -> None:
+        """Draining: let the path's lock go, so that a successor may take the path, and keep answering
+        at it until one does (checked every ``PATH_CHECK`` seconds)."""
+        self.handed_over = True
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def give_up(self) -> None:
         """Stop listening; remove the socket file only while it is still ours; release the path's lock."""
@@ -214,6 +231,7 @@ class SocketPath:
         try:
             if self._served_by_guard(self.path):  # a guard of this uid, of a version that took no lock
                 raise GuardError(f"a guard is already serving {shown(self.path)}")
+            # (a draining guard's socket, or none that answers: replaced)
         except ImpostorError as exc:  # the lock is ours, so the path is: another uid's socket is replaced
             served_by = f", served by uid {exc.uid}"
         try:

@@ -61,7 +61,8 @@ class Channel:
     watchdog's ledger comes with the state, and its record is written before it says ``held``.
     """
 
-    def __init__(self, read_fd: int, reply_fd: int, trainer_pid: int, *, strict: bool = False,
+    def __init__(self, read_fd: int, reply_fd: int, trainer_pid: int, *, trainer_uid: int | None = None,
+                 strict: bool = False,
                  ledger: str | None = None, heartbeat: float = DEFAULT_HEARTBEAT,
                  check: Callable[[dict[str, Any], bool, int], dict[str, Any]] | None = None,
                  ledger_io: LedgerIO | None = None, status: Callable[[], bytes] | None = None,
@@ -69,7 +70,8 @@ class Channel:
                  offload: Callable[[Channel, bytearray], None] | None = None) -> None:
         self.read_fd = read_fd
         self.reply_fd = reply_fd
-        self.trainer_pid = trainer_pid
+        self.trainer_pid = trainer_pid  # as this process's PID namespace sees it: 0 from another one
+        self.trainer_uid = trainer_uid
         self.strict = strict
         self._ledger_folder = ledger if strict else None  # a guard's own --ledger; the pipe's comes with the state
         self._heartbeat = heartbeat
@@ -94,6 +96,13 @@ class Channel:
         """The trainer's token (protocol 2), None before its first state or from an older trainer."""
         token = (self.state or {}).get("trainer")
         return token if isinstance(token, str) else None
+
+    @property
+    def who(self) -> str:
+        """The trainer for an operator: its pid as its own PID namespace sees it (sent in its state; the
+        peer's pid here is 0 across namespaces), and its uid when known."""
+        pid = (self.state or {}).get("pid") or self.trainer_pid
+        return f"pid {pid}" + (f" (uid {self.trainer_uid})" if self.trainer_uid is not None else "")
 
     def read(self) -> bool:
         """Take what can be read; False when the channel has ended (end-of-file, disarm, ``error``)."""

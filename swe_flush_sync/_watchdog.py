@@ -67,7 +67,8 @@ class _Source:
             raise ConfigError(f"watchdog: {len(ids)} ids; a watchdog holds at most {MAX_IDS}")
         state = {
             "urls": urls, "ids": ids, "tokens": tokens, "ledger": self.ledger, "heartbeat": DEFAULT_HEARTBEAT,
-            "trainer": self.token, "lock": lock, "sys_path": [os.path.abspath(path) for path in sys.path],
+            "trainer": self.token, "pid": os.getpid(), "lock": lock,
+            "sys_path": [os.path.abspath(path) for path in sys.path],
             "options": {"deadline": options.deadline, "retries": options.retries, "max_workers": options.max_workers,
                         "connect_timeout": options.connect_timeout, "backoff_factor": options.backoff_factor,
                         "until_idle": options.until_idle, "ca_bundle": _absolute(options.ca_bundle),

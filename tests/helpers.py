@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from swe_flush_sync._guard import guard_status
 from swe_flush_sync._proc import Place
 from swe_flush_sync._wire import PROTOCOL, encode_state
 from swe_flush_sync.testing import AgentServerStub
@@ -188,6 +189,12 @@ def answer(peer: socket.socket) -> bytes:
     except ConnectionResetError:  # it closed with our bytes unread
         pass
     return said
+
+
+def draining(path: str) -> bool:
+    """A guard answers at ``path`` and says it is draining."""
+    status = guard_status(path)
+    return status is not None and status.draining
 
 
 def connect(path: str) -> socket.socket:

@@ -26,6 +26,7 @@ from .helpers import (
     ENV,
     IDS,
     Trainer,
+    draining,
     guarded_trainer,
     namespace_init,
     needs_unshare,
@@ -312,13 +313,60 @@ def test_sigterm_hands_the_path_over_and_flushes_a_death_meanwhile(stub: AgentSe
     trainer = guarded_trainer(stub, guard)
     trainer.read("ARMED")
     guard.proc.send_signal(signal.SIGTERM)
-    assert wait_until(lambda: not os.path.exists(guard.socket), 5.0)  # the path is given up at once ...
+    assert wait_until(lambda: draining(guard.socket), 5.0)  # the path's lock is let go at once ...
     successor = start_guard(path=guard.socket)  # ... so a successor binds at once
     assert _status(successor) == (successor.proc.pid, 0)
     trainer.proc.kill()  # a death during the drain: the old guard, which held it, flushes it
     killed = time.monotonic()
     assert guard.proc.wait(10) == 0 and time.monotonic() - killed < 3.0
     assert Counter(stub.flushed_ids()) == dict.fromkeys(IDS, 1)
+
+
+def test_a_draining_guard_answers_and_arms_trainers_until_a_successor_takes_the_path(
+        stub: AgentServerStub, start_guard: StartGuard) -> None:
+    """A rolling update leaves no moment without a guard (issue 53): 1.1 gave the path up at the
+    drain's start, so --status failed and a trainer arming then waited 10 s and raised FlushError."""
+    guard = start_guard("--drain", "30")
+    held = guarded_trainer(stub, guard)
+    held.read("ARMED")
+    guard.proc.send_signal(signal.SIGTERM)
+    assert wait_until(lambda: draining(guard.socket), 5.0)
+    assert _status_line(guard) == f"guard pid {guard.proc.pid}, 1 trainers, draining"
+    late = Trainer(stub, f"""
+        args = argparse.Namespace(session_server_instance_id="armed-while-draining")
+        started = time.monotonic()
+        dog = watchdog(args, guard={guard.socket!r}, until_idle=False)
+        print("ARMED", time.monotonic() - started, flush=True)
+        time.sleep(60)
+    """)
+    assert float(late.read("ARMED")[1]) < 1.0  # (1.1: 10 s, then FlushError)
+    assert _status(guard) == (guard.proc.pid, 2)
+    successor = start_guard(path=guard.socket)  # takes the path's lock the draining guard let go
+    assert _status(successor) == (successor.proc.pid, 0)
+    late.proc.kill()  # a death during the drain: the guard that held it flushes it, once
+    held.proc.kill()
+    assert guard.proc.wait(10) == 0
+    assert Counter(stub.flushed_ids()) == {"armed-while-draining": 1, **dict.fromkeys(IDS, 1)}
+
+
+@needs_unshare
+def test_the_guard_names_a_contained_trainer_by_its_own_pid_and_uid(stub: AgentServerStub,
+                                                                    start_guard: StartGuard) -> None:
+    """In the sidecar layout the guard sees every trainer as pid 0; it names them as they see
+    themselves (1.1: "trainer pid 0 gone" for each)."""
+    guard = start_guard()
+    trainer = Trainer(stub, f"""
+        dog = watchdog(args, guard={guard.socket!r}, until_idle=False)
+        print("ARMED", os.getpid(), flush=True)
+        time.sleep(60)
+    """, contained=True)
+    assert trainer.read("ARMED")[1] == "1"  # PID 1 of its container
+    trainer.proc.kill()
+    assert wait_until(lambda: sorted(stub.flushed_ids()) == sorted(IDS), 5.0)
+    guard.proc.send_signal(signal.SIGTERM)  # nothing held: it ends at once
+    assert guard.proc.wait(10) == 0
+    said = guard.stderr()
+    assert f"trainer pid 1 (uid {os.geteuid()}) gone" in said and "pid 0" not in said, said
 
 
 def test_the_drain_time_runs_out_and_the_trainer_arms_with_the_next_guard(stub: AgentServerStub,
@@ -328,7 +376,8 @@ def test_the_drain_time_runs_out_and_the_trainer_arms_with_the_next_guard(stub: 
     trainer.read("ARMED")
     guard.proc.send_signal(signal.SIGTERM)
     assert guard.proc.wait(10) == 0
-    assert f"handed over trainers {trainer.proc.pid}" in guard.stderr() and stub.requests == []
+    assert f"handed over trainers pid {trainer.proc.pid} (uid {os.geteuid()})" in guard.stderr()
+    assert stub.requests == []
     successor = start_guard(path=guard.socket)
     assert wait_until(lambda: _status(successor) == (successor.proc.pid, 1), 15.0)  # its follower re-armed
     trainer.proc.kill()

@@ -34,6 +34,7 @@ from .helpers import (
     a_state,
     answer,
     connect,
+    draining,
     here,
     impostor,
     namespace_init,
@@ -138,7 +139,7 @@ def test_a_record_a_recover_took_ends_its_retries(short_dir: Path) -> None:
         path = str(short_dir / "claimed-record.json")  # not there: a recover claimed it
 
     class Dead:
-        trainer_pid = 4321
+        who = "pid 4321 (uid 0)"
         keeper = Keeper()
         flushed = 0
 
@@ -354,7 +355,7 @@ def test_a_successor_during_a_drain_flushes_each_death_once_and_no_live_trainer(
     alive.read("ARMED")
     dying.read("ARMED")
     first.proc.send_signal(signal.SIGTERM)
-    assert wait_until(lambda: not os.path.exists(first.socket), 5.0)
+    assert wait_until(lambda: draining(first.socket), 5.0)
     second = start_guard("--ledger", str(ledger), "--takeover-grace", str(GRACE), path=first.socket,
                          **env)  # serves at once, mid-drain
     dying.proc.kill()  # a death during the overlap
@@ -391,7 +392,7 @@ def test_an_update_during_a_drain_is_held_and_flushed(stub: AgentServerStub,
     """, stdin=True)
     trainer.read("ARMED")
     guard.proc.send_signal(signal.SIGTERM)
-    assert wait_until(lambda: not os.path.exists(guard.socket), 5.0)  # draining
+    assert wait_until(lambda: draining(guard.socket), 5.0)
     trainer.go_on()
     assert trainer.read("REFRESHED")[1] == "True"  # held, not refused
     trainer.proc.kill()
