@@ -30,7 +30,6 @@ import os
 import queue
 import re
 import resource
-import secrets
 import signal
 import socket
 import sys
@@ -45,14 +44,14 @@ from ._guard_metrics import GuardMetrics
 from ._guard_parser import ParserProcess
 from ._guard_pool import DEFAULT_FLUSH_WORKERS
 from ._guard_socket import PATH_CHECK, PAUSE, GuardError, SocketPath
-from ._liveness import guard_lock_path, hold, release, trainer_lock_path
+from ._liveness import LockFile, LockFolder, lock_folder_path
 from ._options import FlushOptions, RecoverOptionKwargs
 from ._record import DEFAULT_HEARTBEAT
 from ._resolve import normalize_instance_ids, normalize_server_urls
 from ._text import shown
 from ._trust import directory_problem
 from ._watch_loop import Channel, WatchLoop, io_error
-from ._wire import MAX_IDS, STATUS, BadLine, write_all
+from ._wire import LOCK_WORD, MAX_IDS, STATUS, BadLine, send_with_fd, write_all
 
 __all__ = ["DEFAULT_DRAIN", "DEFAULT_MAX_HELD", "TAKEOVER_GRACE", "Guard", "GuardError", "guard_status", "run_guard"]
 
@@ -255,8 +254,8 @@ def checked_state(state: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     trainer = state.get("trainer")
     if trainer is not None and (not isinstance(trainer, str) or not _TOKEN.fullmatch(trainer)):
         raise ValueError("trainer must be 32 lowercase hex digits")
-    if not isinstance(state.get("lock", False), bool):
-        raise ValueError("lock must be true or false")
+    if not isinstance(state.get("lock_fd", False), bool):
+        raise ValueError("lock_fd must be true or false")
     pid = state.get("pid")
     if pid is not None and (type(pid) is not int or pid <= 0):
         raise ValueError("pid must be a positive integer")
@@ -266,7 +265,7 @@ def checked_state(state: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     FlushOptions(**known, linger=0.0)  # ConfigError (a ValueError) names the bad option
     return ({"urls": list(normalize_server_urls(urls, "urls")) if urls else [],
              "ids": list(normalize_instance_ids(ids)), "tokens": tokens, "options": known, "trainer": trainer,
-             "pid": pid, "lock": state.get("lock") is True and trainer is not None},
+             "pid": pid, "lock_fd": state.get("lock_fd") is True and trainer is not None},
             sorted(str(key) for key in options if key not in _OPTION_KEYS))
 
 
@@ -305,7 +304,9 @@ class Guard:
         self._parser_process = ParserProcess()
         self._parsed: queue.SimpleQueue[tuple[Channel, dict[str, Any] | BadLine, int]] = queue.SimpleQueue()
         self._records = _RecordWriter(self.say) if ledger is not None else None
-        self._life_lock: tuple[int, str] | None = None  # this guard's own lock while it lives (records name it)
+        self.lock_folder = LockFolder(lock_folder_path(path))  # its trainers' lock files, and its own
+        self._life_lock: tuple[int, LockFile] | None = None  # this guard's own lock while it lives (records name it)
+        self._lock_io = _SerialWorker("swe-flush-guard-locks")  # lock files removed off the loop
         self._connected: collections.Counter[str] = collections.Counter()  # tokens of the trainers held now
         self._handed_over: set[Channel] = set()  # closed by this guard at the end of its drain: not dead
         self.budget = _HeldBudget(max_held)
@@ -318,8 +319,8 @@ class Guard:
         self.socket = SocketPath(path, self.loop, self._accept, self.say, self._lines.say,
                                  _serving)
         self.metrics = GuardMetrics(self.trainers, lambda: len(self.deaths.retrying)) if metrics else None
-        self.deaths = DeathFlushes(flush_workers, connected=self._connected, trainer_lock=self._trainer_lock,
-                                   release=self.budget.release, say=self.say, say_once=self._lines.say,
+        self.deaths = DeathFlushes(flush_workers, connected=self._connected, lock_folder=self.lock_folder,
+                                   release=self._settled, say=self.say, say_once=self._lines.say,
                                    metrics=self.metrics)
         self._recovery = None if ledger is None else LedgerRecovery(
             ledger, grace=takeover_grace, connected=self._connected, stop=self._stop, http=self.deaths.http,
@@ -340,9 +341,14 @@ class Guard:
             self._parser_process.start()
         except OSError as exc:  # tried again with the first long line
             self.say(f"cannot start the parser process ({exc.strerror or exc}); tried again when a long line comes")
-        life_lock = guard_lock_path(self.path, secrets.token_hex(8))
-        with contextlib.suppress(OSError):  # without it, its records are judged by the older rules
-            self._life_lock = (hold(life_lock), life_lock)
+        try:
+            self.lock_folder.open()
+            self._life_lock = self.lock_folder.create("guard-")
+        except OSError as exc:  # without locks, trainers are judged by their connections and heartbeats
+            self.lock_folder.close()
+            self.say(f"cannot keep lock files in {shown(self.lock_folder.path)} ({exc.strerror or exc}): a trainer's "
+                     "death is the end of its connection, and a successor judges records by a grace and their "
+                     "heartbeat")
         self.max_peers = max(raise_nofile_limit() - FD_RESERVE, 16)
         self.loop.watch(self._wake_read, self._woken)
 
@@ -374,7 +380,7 @@ class Guard:
         channel = Channel(fd, fd, pid, trainer_uid=uid, strict=True, ledger=self.ledger, heartbeat=self.heartbeat,
                           check=functools.partial(self._checked, pid=pid, peer=peer), status=self._status,
                           ledger_io=self._records.submit if self._records is not None else None,
-                          locks=self._record_locks, offload=self._offload)
+                          locks=self._record_locks, armed=self._give_lock, offload=self._offload)
         self.budget.admit(channel, peer)
         self.loop.add(channel)
 
@@ -395,15 +401,36 @@ class Guard:
         with contextlib.suppress(OSError):
             os.write(self._wake_write, b"p")
 
-    def _trainer_lock(self, state: dict[str, Any] | None) -> str | None:
-        """The lock file of the trainer with ``state``, as this guard sees it (None: it holds none)."""
-        token = (state or {}).get("trainer")
-        return trainer_lock_path(self.path, token) if (state or {}).get("lock") and isinstance(token, str) else None
+    def _give_lock(self, channel: Channel) -> None:
+        """A trainer's first state, held: make its lock file, pass it over the socket with ``lock`` and
+        close this guard's copy, so that the trainer's copy alone holds the lock (see _liveness)."""
+        if not (channel.state or {}).get("lock_fd") or self._life_lock is None:
+            return
+        try:
+            fd, lock = self.lock_folder.create("trainer-")
+        except OSError as exc:
+            self._lines.say("lock", f"cannot make a trainer's lock file in {shown(self.lock_folder.path)} "
+                                    f"({exc.strerror or exc}): its death is the end of its connection")
+            return
+        try:
+            send_with_fd(channel.reply_fd, LOCK_WORD + b"\n", fd)
+        except OSError:  # the trainer reads nothing: it holds no lock, and is judged by its connection
+            self.lock_folder.remove(lock)
+            return
+        finally:
+            os.close(fd)
+        channel.lock = lock
 
-    def _record_locks(self, state: dict[str, Any]) -> dict[str, str | None]:
+    def _record_locks(self, channel: Channel) -> dict[str, LockFile | None]:
         """What a record names to prove life: the trainer's lock and this guard's."""
-        return {"trainer_lock": self._trainer_lock(state),
-                "guard_lock": self._life_lock[1] if self._life_lock is not None else None}
+        return {"trainer_lock": channel.lock, "guard_lock": self._life_lock[1] if self._life_lock is not None else None}
+
+    def _settled(self, channel: Channel) -> None:
+        """A trainer settled (disarmed, flushed, dropped): its budget freed, its lock file removed."""
+        self.budget.release(channel)
+        lock, channel.lock = channel.lock, None
+        if lock is not None:
+            self._lock_io.submit(functools.partial(self.lock_folder.remove, lock))
 
     def say(self, line: str) -> None:
         """One line on stderr, written by the stderr thread (a stalled stderr holds only that thread)."""
@@ -462,10 +489,10 @@ class Guard:
             if self.metrics is not None:
                 self.metrics.dropped.labels("bad_message").inc()
             channel.settle(None)
-            self.budget.release(channel)
+            self._settled(channel)
         elif channel.disarmed or channel.state is None:
             channel.settle(None)
-            self.budget.release(channel)
+            self._settled(channel)
         else:
             self.deaths.gone(channel)
 
@@ -493,8 +520,12 @@ class Guard:
         """Give up the path; release this guard's own lock; write what is queued."""
         self.socket.give_up()
         if self._life_lock is not None:
-            release(*self._life_lock)
+            fd, lock = self._life_lock
             self._life_lock = None
+            self.lock_folder.remove(lock)
+            os.close(fd)
+        self._lock_io.drain(1.0)
+        self.lock_folder.close()
         self._parser_process.close()
         self._lines.say_held_back()
         if self._records is not None:
@@ -526,7 +557,7 @@ class Guard:
     def _hand_over(self, held: list[Channel]) -> None:
         """The drain is over: close the held trainers' connections without flushing them. Their locks
         prove them alive, so no guard flushes them, and their follower threads arm with the successor."""
-        locked = [channel for channel in held if self._trainer_lock(channel.state) is not None]
+        locked = [channel for channel in held if channel.lock is not None]
         for channel in held:
             self._handed_over.add(channel)
             self.loop.end(channel)

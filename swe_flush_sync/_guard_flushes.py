@@ -16,12 +16,12 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final, NamedTuple
+from typing import TYPE_CHECKING, Final, NamedTuple
 
 from ._errors import ConfigError
 from ._guard_pool import WorkPool
 from ._ledger import recover_with
-from ._liveness import is_held
+from ._liveness import LockFolder, is_held
 from ._options import FlushOptions
 from ._proc import Place, process_start_time
 from ._record import Record
@@ -59,19 +59,19 @@ class DeathFlushes:
         workers: flush workers (trainers flushed at once).
         connected: the tokens of the trainers connected now (the guard keeps it): one that connected
             again is guarded by its new connection.
-        trainer_lock: the lock file of the trainer with a state, None when it holds none.
-        release: called when a channel's flush has ended (its held state is no longer counted).
+        lock_folder: the guard's lock folder, where each trainer's lock is (``channel.lock``).
+        release: called when a channel's flush has ended (its held state and lock file go).
         say, say_once: a line, and a line said at most once a minute per kind.
     """
 
     def __init__(self, workers: int, *, connected: collections.Counter[str],
-                 trainer_lock: Callable[[dict[str, Any] | None], str | None], release: Callable[[Channel], None],
+                 lock_folder: LockFolder, release: Callable[[Channel], None],
                  say: Callable[[str], None], say_once: Callable[[str, str], None],
                  metrics: GuardMetrics | None) -> None:
         self.pool = WorkPool("swe-flush-guard-flush", workers, say)
         self.http = Workers("swe-flush-guard-http", HTTP_WORKERS)  # every flush's requests, shared
         self._connected = connected
-        self._trainer_lock = trainer_lock
+        self._lock_folder = lock_folder
         self._release = release
         self._say, self._say_once, self._metrics = say, say_once, metrics
         self._flushing: set[Channel] = set()  # dead trainers whose flush runs, waits or waits to be retried
@@ -93,11 +93,11 @@ class DeathFlushes:
         may close the socket a moment before the lock). A trainer that connected again meanwhile is
         guarded by its new connection; no lock, or one that cannot be examined: the end of the
         connection is the death."""
-        lock = self._trainer_lock(channel.state)
+        lock = channel.lock
         if lock is not None and channel.token in self._connected:
             self._done(channel)
             return
-        if lock is not None and is_held(lock):
+        if lock is not None and self._lock_folder.held(lock):
             self.pool.submit(functools.partial(self._flush_once_gone, channel, ended,
                                                min(recheck * 2, LOCK_RECHECK_MAX)), recheck)
             return
@@ -217,9 +217,10 @@ class LedgerRecovery:
             return False
         if gone:
             return True
-        if record.trainer_lock is not None and is_held(record.trainer_lock) is not None:
+        guard_lock, trainer_lock = record.locks()
+        if trainer_lock is not None and is_held(trainer_lock) is not None:
             return False  # held: alive
-        if record.guard_lock is not None and is_held(record.guard_lock):
+        if guard_lock is not None and is_held(guard_lock):
             return False  # a live guard keeps it
         predecessor = (record.trainer is not None and record.watchdog_pid != os.getpid()
                        and record.place == Place.here()

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Final
 
 from ._errors import ConfigError
 from ._flusher import Flusher
+from ._liveness import remove_if_free
 from ._logs import log_report
 from ._options import FlushOptions
 from ._proc import Place, alive, process_start_time
@@ -176,6 +177,9 @@ class _Ledger:
                     os.rename(path, original)
                 elif record.set_aside is None:
                     os.unlink(path)
+                    _, trainer_lock = record.locks()
+                    if trainer_lock is not None:
+                        remove_if_free(trainer_lock)
                 else:
                     aside = self._set_aside(path, record.set_aside)
                     set_aside.append(f"ledger record {shown(os.path.basename(original))}: {record.set_aside}, "

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from ._errors import ConfigError
-from ._liveness import is_held
+from ._liveness import LockFile, is_held, record_lock
 from ._proc import Place, alive, process_start_time
 from ._resolve import normalize_instance_ids, normalize_server_urls
 from ._trust import ownership_problem
@@ -58,7 +58,9 @@ class Record:
     trainer: str | None = None  # the trainer's token (a guard's record), None for a watchdog's
     gone: bool = False  # its keeper saw the trainer die and has not flushed it yet
     trainer_lock: str | None = None  # a guard's record: the trainer's lock file (held while it lives)
+    trainer_lock_inode: str | None = None  # ... and its inode (DEV:INO): another file there proves nothing
     guard_lock: str | None = None  # ... and the lock of the guard that keeps it (held while that guard lives)
+    guard_lock_inode: str | None = None
     set_aside: str | None = None
 
     def write(self, path: str) -> None:
@@ -127,7 +129,7 @@ class Record:
             raise BadRecord(str(exc)) from None
         number = (int, type(None))
         text = {name: raw.get(name) if isinstance(raw.get(name), str) else None
-                for name in ("trainer", "trainer_lock", "guard_lock")}
+                for name in ("trainer", "trainer_lock", "trainer_lock_inode", "guard_lock", "guard_lock_inode")}
         return cls(urls=urls, ids=ids, gone=raw.get("gone") is True, **text,
                    place=Place(_field(raw, "host", str), _field(raw, "boot_id", (str, type(None))),
                                raw.get("pid_ns") if isinstance(raw.get("pid_ns"), int) else None),
@@ -138,6 +140,11 @@ class Record:
                    heartbeat_interval=float(_field(raw, "heartbeat_interval", (int, float))),
                    set_aside=f"{invalid} of its ids set aside (not text)" if invalid else None)
 
+    def locks(self) -> tuple[LockFile | None, LockFile | None]:
+        """The guard's lock and the trainer's that the record names (None for a watchdog's record)."""
+        return (record_lock(self.guard_lock, self.guard_lock_inode),
+                record_lock(self.trainer_lock, self.trainer_lock_inode))
+
     def owner_gone(self, here: Place, now: float) -> bool:
         """Marked gone by its keeper; else what the locks prove (a live guard's record is its own; a
         trainer lives while its lock is held); else, in this host, boot and PID namespace, its keeper
@@ -145,9 +152,10 @@ class Record:
         heartbeat is stale."""
         if self.gone:
             return True
-        if self.guard_lock is not None and is_held(self.guard_lock):
+        guard_lock, trainer_lock = self.locks()
+        if guard_lock is not None and is_held(guard_lock):
             return False
-        trainer_alive = is_held(self.trainer_lock) if self.trainer_lock is not None else None
+        trainer_alive = is_held(trainer_lock) if trainer_lock is not None else None
         if trainer_alive is not None:
             return not trainer_alive
         if here.boot_id is not None and here.pid_ns is not None and self.place == here:
@@ -182,19 +190,29 @@ def _field(raw: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any
     return value
 
 
+def _path(lock: LockFile | None) -> str | None:
+    return lock.path if lock is not None else None
+
+
+def _inode(lock: LockFile | None) -> str | None:
+    return lock.inode if lock is not None else None
+
+
 class RecordKeeper:
     """One trainer's record in a ledger folder, kept by its watchdog or guard: ``update`` takes a
     state, ``write`` and ``remove`` do the file I/O. A guard's record is named by the trainer's
     ``token``; a watchdog's by the trainer's host, pid and start time, and its own pid."""
 
     def __init__(self, folder: str, trainer_pid: int, heartbeat: float, token: str | None = None,
-                 locks: Mapping[str, str | None] | None = None) -> None:
+                 locks: Mapping[str, LockFile | None] | None = None) -> None:
         me, locks = os.getpid(), locks or {}
         self._base = Record(urls=(), ids=(), place=Place.here(), pid=trainer_pid,
                             start_time=process_start_time(trainer_pid) if trainer_pid > 0 else None,
                             watchdog_pid=me, watchdog_start_time=process_start_time(me), heartbeat=0.0,
                             heartbeat_interval=heartbeat, trainer=token,
-                            trainer_lock=locks.get("trainer_lock"), guard_lock=locks.get("guard_lock"))
+                            trainer_lock=_path(locks.get("trainer_lock")),
+                            trainer_lock_inode=_inode(locks.get("trainer_lock")),
+                            guard_lock=_path(locks.get("guard_lock")), guard_lock_inode=_inode(locks.get("guard_lock")))
         self.heartbeat = heartbeat
         self.gone = False  # the trainer is gone and its flush has not succeeded yet: any recover may take it
         if token is not None:

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
+from ._liveness import LockFile
 from ._record import DEFAULT_HEARTBEAT, RecordKeeper
 from ._wire import (
     CANCEL,
@@ -66,7 +67,8 @@ class Channel:
                  ledger: str | None = None, heartbeat: float = DEFAULT_HEARTBEAT,
                  check: Callable[[dict[str, Any], bool, int], dict[str, Any]] | None = None,
                  ledger_io: LedgerIO | None = None, status: Callable[[], bytes] | None = None,
-                 locks: Callable[[dict[str, Any]], dict[str, str | None]] | None = None,
+                 locks: Callable[[Channel], dict[str, LockFile | None]] | None = None,
+                 armed: Callable[[Channel], None] | None = None,
                  offload: Callable[[Channel, bytearray], None] | None = None) -> None:
         self.read_fd = read_fd
         self.reply_fd = reply_fd
@@ -79,6 +81,8 @@ class Channel:
         self._ledger_io = ledger_io
         self._status = status
         self._locks = locks
+        self._armed = armed  # a guard: called with a trainer's first state taken, before "held"
+        self.lock: LockFile | None = None  # the lock file a guard gave the trainer (see _liveness)
         self._offload = offload  # a guard parses lines over OFFLOAD_BYTES on a worker: the loop never waits on one
         self.parsing = False  # a line of this channel is being parsed elsewhere: the lines after it wait
         self.state: dict[str, Any] | None = None
@@ -204,6 +208,8 @@ class Channel:
             return self.refuse_line("a state of another trainer")
         first = self.state is None
         self.state = state
+        if first and self._armed is not None:
+            self._armed(self)
         self.keep_record(state)  # first: once watchdog() or refresh() returns, recover() can see it
         if first and self.keeper is not None:
             self._run_ledger_io(self.keeper.remove_older)
@@ -226,7 +232,7 @@ class Channel:
                 folder, heartbeat = state.get("ledger"), _positive(state.get("heartbeat"), DEFAULT_HEARTBEAT)
             if isinstance(folder, str):
                 self.keeper = RecordKeeper(folder, self.trainer_pid, heartbeat, self.token if self.strict else None,
-                                            self._locks(state) if self._locks is not None else None)
+                                            self._locks(self) if self._locks is not None else None)
         if self.keeper is None:
             return
         if state is not None:

@@ -67,7 +67,7 @@ class _Source:
             raise ConfigError(f"watchdog: {len(ids)} ids; a watchdog holds at most {MAX_IDS}")
         state = {
             "urls": urls, "ids": ids, "tokens": tokens, "ledger": self.ledger, "heartbeat": DEFAULT_HEARTBEAT,
-            "trainer": self.token, "pid": os.getpid(), "lock": lock,
+            "trainer": self.token, "pid": os.getpid(), "lock_fd": lock,
             "sys_path": [os.path.abspath(path) for path in sys.path],
             "options": {"deadline": options.deadline, "retries": options.retries, "max_workers": options.max_workers,
                         "connect_timeout": options.connect_timeout, "backoff_factor": options.backoff_factor,
@@ -161,7 +161,7 @@ class Watchdog:
     def _refresh(self, patience: float) -> bool:
         """``refresh``, waiting at most ``patience`` seconds for the watchdog (or to reach the guard again)."""
         link = self._link
-        payload, pairs = self._source.state(lock=self._end.liveness is not None, last=link.payload)  # user code
+        payload, pairs = self._source.state(lock=self._end.wants_lock, last=link.payload)  # user code
         written, held = link.written, link.held
         if not link.retired:
             self._end.before_refresh(payload, patience)
@@ -251,7 +251,7 @@ class Watchdog:
         self._starting = True
         try:
             self._end.prepare()
-            payload, pairs = self._source.state(lock=self._end.liveness is not None, last=self._link.payload)
+            payload, pairs = self._source.state(lock=self._end.wants_lock, last=self._link.payload)
             process = self._end.open(patience)
             with link_module.LOCK:
                 if not self._link.retired:

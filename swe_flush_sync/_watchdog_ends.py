@@ -1,7 +1,7 @@
 """The two far ends a ``Watchdog`` links to, behind one interface (``End``): a ``ProcessEnd`` spawns
 a local watchdog process over two pipes (and kills or respawns it); a ``GuardEnd`` reaches a
-``swe-flush guard``'s socket (liveness lock, peer and protocol checks, a follower thread that
-reconnects, refusals).
+``swe-flush guard``'s socket (the liveness lock it passes, peer and protocol checks, a follower
+thread that reconnects, refusals).
 """
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ from . import _watchdog_link as link_module
 from . import _watchdog_process
 from ._errors import ConfigError, FlushError
 from ._guard_client import ImpostorError, connect_to_guard
-from ._liveness import hold, trainer_lock_path
 from ._proc import process_stopped
 from ._text import shown
 from ._threads import start_daemon_thread
@@ -46,7 +45,7 @@ _ends: weakref.WeakSet[End] = weakref.WeakSet()  # a forked child forgets them a
 class End:
     """What a watchdog's far end does at each point of its life; the base does nothing."""
 
-    liveness: Fd | None = None  # the lock that proves this trainer alive to a guard, when held
+    wants_lock = False  # asks its far end for a lock to hold (a guard's: see _liveness)
 
     def __init__(self, link: Link) -> None:
         self.link = link
@@ -171,28 +170,19 @@ class ProcessEnd(End):
 
 
 class GuardEnd(End):
-    """A ``swe-flush guard`` on a Unix socket (one descriptor for both ends), followed by a thread."""
+    """A ``swe-flush guard`` on a Unix socket (one descriptor for both ends), followed by a thread.
+    The guard passes a lock with its first word; the link holds it until a disarm (a newer guard's
+    replaces it)."""
+
+    wants_lock = True
 
     def __init__(self, link: Link, path: str, token: str) -> None:
         super().__init__(link)
         self.path = path
         self._token = token  # names this trainer to a guard across reconnects and restarts
-        self.liveness = None  # the flock that proves this trainer alive (see _liveness)
         self._reconnecting = threading.Lock()  # one reconnect at a time (the follower thread, refresh, abort)
         self._following: threading.Event | None = None  # set to end the follower thread
         self._said: set[str] = set()  # warnings said once (until a reconnect succeeds)
-
-    def prepare(self) -> None:
-        """Hold a ``flock`` next to the socket while this trainer lives (once): a guard flushes it when free."""
-        if self.liveness is not None:
-            return
-        with link_module.FORK_LOCK:  # a child forked meanwhile must not keep the lock's descriptor
-            try:
-                self.liveness = Fd(hold(trainer_lock_path(self.path, self._token)))
-            except OSError as exc:
-                self._say_once("lock", f"cannot hold a lock next to the guard's socket ({exc.strerror or exc}): a "
-                                       "guard restarted while this trainer cannot run judges it by a grace and its "
-                                       "heartbeat")
 
     def open(self, patience: float) -> None:
         """Connect, trying for up to ``patience`` (a sidecar may start later); ``FlushError`` (or
@@ -208,7 +198,7 @@ class GuardEnd(End):
                     end = Fd(sock.detach())
                     os.set_blocking(end.fd, False)
                     with link_module.LOCK:
-                        self.link.take_ends(end, end)
+                        self.link.take_ends(end, end, passes_fds=True)
                     return None
             if time.monotonic() >= give_up_at:
                 raise FlushError(f"no guard answers at {shown(self.path)} ({why})")
@@ -258,15 +248,11 @@ class GuardEnd(End):
                                           "(tried again every 0.1 s)")
 
     def release(self) -> None:
-        if self.liveness is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(trainer_lock_path(self.path, self._token))
-            self.liveness.close()
-            self.liveness = None
+        with link_module.LOCK:
+            self.link.release_lock()
 
     def forget_in_child(self) -> None:
         """No follower thread, and the lock stays the parent's (the at-fork hook closed the copy)."""
-        self.liveness = None
         self._following = None
         self._reconnecting = threading.Lock()
 

@@ -26,7 +26,7 @@ import weakref
 from collections.abc import Callable
 from typing import Final
 
-from ._wire import CANCEL, HELD, PROTOCOL, REFUSED
+from ._wire import CANCEL, HELD, LOCK_WORD, PROTOCOL, REFUSED, receive_with_fds
 
 _DISARM: Final = b'{"disarm": true}\n'
 _END_CUT_LINE: Final = CANCEL + b"\n"
@@ -109,6 +109,9 @@ class Link:
         self.refused: str | None = None  # why the far end refused the state last queued
         self.refused_payload = b""  # ... and that state
         self.refused_at = 0.0  # ... and when
+        self._passes_fds = False  # the ready end is a guard's socket: read with the descriptors it passes
+        self._passed: list[Fd] = []  # descriptors passed, not yet named by a word
+        self.lock: Fd | None = None  # the newest lock a guard passed ("lock"): held while this process lives
         _links.add(self)
 
     @property
@@ -126,9 +129,11 @@ class Link:
         """Does something still wait to be written?"""
         return bool(self._outbox)
 
-    def take_ends(self, control: Fd, ready: Fd) -> None:
-        """Use these fresh ends (non-blocking): nothing is owed to them yet."""
+    def take_ends(self, control: Fd, ready: Fd, *, passes_fds: bool = False) -> None:
+        """Use these fresh ends (non-blocking): nothing is owed to them yet. ``passes_fds``: ``ready``
+        is a guard's socket, which passes lock descriptors."""
         self._control, self._ready, self.held, self._inbox, self._cut = control, ready, self.seq, b"", False
+        self._passes_fds = passes_fds
         HEARD.notify_all()
 
     def queue(self, payload: bytes, pairs: frozenset[tuple[str, str]]) -> None:
@@ -165,7 +170,7 @@ class Link:
         ended = False
         while True:
             try:
-                chunk = os.read(ready.fd, 4096)
+                chunk = self._read(ready)
             except BlockingIOError:
                 break
             except OSError:  # ECONNRESET: as good as the end
@@ -182,6 +187,21 @@ class Link:
         if ended:
             raise _Lost
 
+    def _read(self, ready: Fd) -> bytes:
+        """One read of the far end's words, taking the descriptors a guard passes with them. Those are
+        registered before any fork (``FORK_LOCK``, tried only: the thread that opens ends takes it
+        before ``LOCK``), so a forked child closes its copies; a busy ``FORK_LOCK`` reads later."""
+        if not self._passes_fds:
+            return os.read(ready.fd, 4096)
+        if not FORK_LOCK.acquire(blocking=False):
+            raise BlockingIOError
+        try:
+            chunk, fds = receive_with_fds(ready.fd, 4096)
+            self._passed.extend(Fd(fd) for fd in fds)
+        finally:
+            FORK_LOCK.release()
+        return chunk
+
     def _take_word(self, line: bytes) -> None:
         word, _, rest = line.partition(b" ")
         if word == HELD:
@@ -190,6 +210,12 @@ class Link:
                 self.held, self.pid = max(self.held, int(seq)), int(pid)
                 self.protocol = int(protocol[0]) if protocol and protocol[0].isdigit() else 1
                 self.refused = None
+        elif word == LOCK_WORD:  # the newest lock replaces the one before (its guard holds this trainer no more)
+            if self._passed:
+                lock, old, self.lock = self._passed.pop(0), self.lock, None
+                if old is not None:
+                    old.close()
+                self.lock = lock
         elif word == REFUSED:
             self.refused, self.refused_payload = rest.decode("utf-8", "replace"), self.payload
             self.refused_at = time.monotonic()
@@ -267,11 +293,22 @@ class Link:
         self._control = self._ready = None
         self._outbox.clear()
         self._cut = False
+        for passed in self._passed:  # never named by a word: not a lock (the lock itself outlives the ends)
+            passed.close()
+        self._passed.clear()
+
+    def release_lock(self) -> None:
+        """Close the lock a guard passed (a disarm: no guard need prove this trainer alive any more)."""
+        lock, self.lock = self.lock, None
+        if lock is not None:
+            lock.close()
 
     def forget_in_child(self) -> None:
-        """In a forked child: the ends and the reader are the parent's."""
+        """In a forked child: the ends, the lock (its copy closed with the ends) and the reader are the parent's."""
         self._control = self._ready = None
         self._reader = None
+        self.lock = None
+        self._passed = []
         self.retired = True
 
 

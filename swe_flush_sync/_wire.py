@@ -3,14 +3,16 @@ its shape check and the line parser. Standard library only (the watchdog process
 
 A trainer writes one JSON object a line: ``{"seq": N, "v": PROTOCOL, "state": {...}}``,
 ``{"disarm": true}`` or ``{"status": true}``. The far end answers with one word a line: ``held``,
-``refused``, ``ledger`` or ``status`` (below).
+``refused``, ``ledger``, ``status`` or ``lock`` (below; a guard passes a descriptor with ``lock``).
 """
 
 from __future__ import annotations
 
+import array
 import contextlib
 import json
 import os
+import socket
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -29,6 +31,8 @@ STATUS: Final = b"status"  # the answer to {"status": true}: "status PID TRAINER
 HELD: Final = b"held"  # "held SEQ PID PROTOCOL": the far end holds state SEQ whole (the first one: armed)
 LEDGER: Final = b"ledger"  # "ledger ok", or "ledger WHY" when its record could not be written
 REFUSED: Final = b"refused"  # "refused WHY": a guard will not hold this state; the connection ends
+LOCK_WORD: Final = b"lock"  # sent with a lock file's descriptor (SCM_RIGHTS), before "held": hold it while you live
+MAX_PASSED_FDS: Final = 4  # descriptors one read takes from a guard (it passes one at a time)
 
 
 class BadLine(ValueError):
@@ -74,6 +78,32 @@ def parse_line(line: bytes | bytearray, strict: bool) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise BadLine("a message that is not an object")
     return message
+
+
+def send_with_fd(sock_fd: int, data: bytes, passed: int) -> None:
+    """Send ``data`` whole with a copy of the descriptor ``passed`` (``SCM_RIGHTS``) on the Unix socket
+    ``sock_fd``; ``OSError`` when it cannot be sent whole at once (a peer that does not read)."""
+    sock = socket.socket(fileno=sock_fd)
+    try:
+        if socket.send_fds(sock, [data], [passed]) != len(data):
+            raise OSError("sent in part")
+    finally:
+        sock.detach()
+
+
+def receive_with_fds(sock_fd: int, size: int) -> tuple[bytes, list[int]]:
+    """What can be read from the Unix socket ``sock_fd``, and the descriptors passed with it (made
+    close-on-exec as they arrive). ``BlockingIOError`` when nothing waits."""
+    sock = socket.socket(fileno=sock_fd)
+    try:
+        data, ancillary, _, _ = sock.recvmsg(size, socket.CMSG_SPACE(MAX_PASSED_FDS * 4), socket.MSG_CMSG_CLOEXEC)
+    finally:
+        sock.detach()
+    fds = array.array("i")
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+    return data, list(fds)
 
 
 def write_all(fd: int, data: bytes) -> None:

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swe_flush_sync._liveness import hold, release
+from swe_flush_sync._liveness import LockFile, LockFolder
 from swe_flush_sync._proc import Place, process_start_time
 from swe_flush_sync._record import (
     STALE_HEARTBEATS,
@@ -48,14 +48,14 @@ def a_record(**changes: object) -> Record:
 
 def test_what_a_keeper_writes_reads_back(tmp_path: Path) -> None:
     keeper = RecordKeeper(str(tmp_path), os.getpid(), 2.5, token="t" * 32,
-                          locks={"trainer_lock": "/run/t.lock", "guard_lock": "/run/g.lock"})
+                          locks={"trainer_lock": LockFile("/run/l/t", "1:2"), "guard_lock": LockFile("/run/l/g", "1:3")})
     keeper.update({"urls": list(URLS), "ids": ["a", "b"], "tokens": {"a": "secret"}})
     before = time.time()
     keeper.write()
     record = Record.read(keeper.path)
     assert os.path.basename(keeper.path) == f"trainer-{'t' * 32}.json"
     assert (record.urls, record.ids, record.pid, record.trainer) == (URLS, ("a", "b"), os.getpid(), "t" * 32)
-    assert (record.trainer_lock, record.guard_lock, record.gone) == ("/run/t.lock", "/run/g.lock", False)
+    assert record.locks() == (LockFile("/run/l/g", "1:3"), LockFile("/run/l/t", "1:2")) and not record.gone
     assert record.place == Place.here() and record.start_time == process_start_time(os.getpid())
     assert record.heartbeat_interval == 2.5 and before <= record.heartbeat <= time.time()
     assert "secret" not in Path(keeper.path).read_text()  # a record never holds a bearer
@@ -101,24 +101,46 @@ def test_the_owner_gone_rule() -> None:
 
 def test_the_locks_decide_before_pids_and_heartbeats(tmp_path: Path) -> None:
     here, now = Place.here(), time.time()
-    trainer_lock, guard_lock = str(tmp_path / "trainer.lock"), str(tmp_path / "guard.lock")
+    folder = LockFolder(str(tmp_path / "guard.sock.locks"))
+    folder.open()
     dead, dead_start = dead_pid()
     gone_here = {"pid": dead, "start_time": dead_start, "watchdog_pid": dead, "watchdog_start_time": dead_start,
                  "heartbeat": now - 3600}
-    held = hold(trainer_lock)
+
+    def naming(trainer: LockFile | None = None, guard: LockFile | None = None, **changes: object) -> Record:
+        return a_record(trainer_lock=trainer and trainer.path, trainer_lock_inode=trainer and trainer.inode,
+                        guard_lock=guard and guard.path, guard_lock_inode=guard and guard.inode, **changes)
+
+    held, trainer_lock = folder.create("trainer-")
     try:  # a trainer whose lock is held lives, whatever its pid and heartbeat say
-        assert not a_record(trainer_lock=trainer_lock, **gone_here).owner_gone(here, now)  # type: ignore[arg-type]
+        assert not naming(trainer_lock, **gone_here).owner_gone(here, now)
+        assert folder.held(trainer_lock) is True
     finally:
-        release(held, trainer_lock)
-    open(trainer_lock, "w").close()  # its lock free: gone, however fresh the heartbeat
-    assert a_record(trainer_lock=trainer_lock, place=Place("elsewhere", None, None)).owner_gone(here, now)
-    held = hold(guard_lock)
+        os.close(held)
+    # its lock free: gone, however fresh the heartbeat
+    assert naming(trainer_lock, place=Place("elsewhere", None, None)).owner_gone(here, now)
+    assert folder.held(trainer_lock) is False
+    guard_fd, guard_lock = folder.create("guard-")
     try:  # a live guard's record is that guard's to flush, even with the trainer's lock free
-        assert not a_record(trainer_lock=trainer_lock, guard_lock=guard_lock).owner_gone(here, now)
+        assert not naming(trainer_lock, guard_lock).owner_gone(here, now)
+        # A held file renamed onto the trainer's (another inode) proves nothing: pids and heartbeats decide.
+        os.replace(guard_lock.path, trainer_lock.path)
+        assert naming(trainer_lock, **gone_here).owner_gone(here, now)
+        assert not naming(trainer_lock, place=Place("elsewhere", None, None)).owner_gone(here, now)
+        assert folder.held(trainer_lock) is None
     finally:
-        release(held, guard_lock)
+        os.close(guard_fd)
     # A lock that cannot be examined (no such file) leaves the rule to pids and heartbeats.
-    assert a_record(trainer_lock=str(tmp_path / "none.lock"), **gone_here).owner_gone(here, now)  # type: ignore[arg-type]
+    assert naming(LockFile(str(tmp_path / "none"), "1:1"), **gone_here).owner_gone(here, now)
+    # ... and so does a folder others may write.
+    os.chmod(folder.path, 0o777)
+    fd, open_lock = folder.create("trainer-")
+    try:
+        assert naming(open_lock, place=Place("elsewhere", None, None), heartbeat=now - 3600).owner_gone(here, now)
+        assert not naming(open_lock, place=Place("elsewhere", None, None)).owner_gone(here, now)
+    finally:
+        os.close(fd)
+        folder.close()
 
 
 @pytest.mark.parametrize(("content", "why"), [

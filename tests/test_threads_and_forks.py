@@ -9,7 +9,6 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import signal
 import socket
 import statistics
@@ -323,15 +322,14 @@ def test_a_disarm_while_arming_through_a_guard_leaves_no_lock(stub: AgentServerS
     env = {"AGENT_SERVER_URL": stub.url, "HARBOR_ADMIN_SECRET": SECRET}
     armed: list[object] = []
     arming = threading.Thread(target=lambda: armed.append(watchdog(args, guard=path, environ=env)))
-    arming.start()  # no guard yet: it tries for up to 10 s, holding this trainer's lock meanwhile
-
-    def lock_files() -> list[str]:
-        return [name for name in os.listdir(folder) if re.fullmatch(r"guard\.sock\.[0-9a-f]{32}\.lock", name)]
-
-    assert wait_until(lambda: len(lock_files()) == 1, 10.0)
+    arming.start()  # no guard yet: it tries for up to 10 s
+    assert wait_until(lambda: any(dog.args is args for dog in watchdog_module._watchdogs), 10.0)
     [dog] = [dog for dog in watchdog_module._watchdogs if dog.args is args]
     dog.disarm()  # as a hook that flushed everything would, from another thread
-    start_guard(path=path)
+    guard = start_guard(path=path)
     arming.join(20)
     assert armed == [dog] and not dog.linked
-    assert lock_files() == []  # the disarmed trainer holds no lock a guard would take for its life
+    assert dog._link.lock is None  # the disarmed trainer holds no lock a guard passed
+    locks = folder / "guard.sock.locks"
+    assert wait_until(lambda: [name for name in os.listdir(locks) if name.startswith("trainer-")] == [], 5.0)
+    assert guard.proc.poll() is None and stub.requests == []  # nothing flushed: it was disarmed

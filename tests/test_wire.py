@@ -51,7 +51,7 @@ def test_any_id_flush_accepts_survives_the_round_trip(ids: list[str]) -> None:
     unique = list(dict.fromkeys(ids))
     assert state["ids"] == unique and dropped == []
     assert state["tokens"] == {instance_id: "t-" + instance_id for instance_id in unique}
-    assert state["trainer"] == "a" * 32 and state["lock"] is True
+    assert state["trainer"] == "a" * 32 and state["lock_fd"] is True
 
 
 def test_the_largest_state_the_trainer_builds_passes_the_shape_check() -> None:
@@ -96,7 +96,8 @@ def test_the_line_parser_says_what_is_wrong(line: bytes, why: str) -> None:
     ({"urls": [], "ids": [], "tokens": {"a": 1}}, "tokens must be a map of str"),
     ({"urls": [], "ids": [], "options": []}, "options must be an object"),
     ({"urls": [], "ids": [], "trainer": "A" * 32}, "trainer must be 32 lowercase hex digits"),
-    ({"urls": [], "ids": [], "lock": "yes"}, "lock must be true or false"),
+    ({"urls": [], "ids": [], "lock_fd": "yes"}, "lock_fd must be true or false"),
+    ({"urls": [], "ids": [], "pid": 0}, "pid must be a positive integer"),
     ({"urls": [], "ids": [], "options": {"deadline": -1}}, "deadline"),
     ({"urls": ["ftp://x"], "ids": []}, "http"),
 ])
@@ -106,10 +107,10 @@ def test_the_guard_refuses_a_bad_state_saying_why(state: dict[str, Any], why: st
 
 
 def test_the_guard_drops_unknown_options_and_a_lock_without_a_trainer() -> None:
-    state, dropped = checked_state({"urls": [URL], "ids": ["a", "a"], "lock": True,
+    state, dropped = checked_state({"urls": [URL], "ids": ["a", "a"], "lock_fd": True,
                                     "options": {"deadline": 5, "from_the_future": 1}})
     assert state["ids"] == ["a"] and state["options"] == {"deadline": 5} and dropped == ["from_the_future"]
-    assert state["lock"] is False  # a lock names a trainer's token: without one there is nothing to examine
+    assert state["lock_fd"] is False  # a trainer without a token cannot be told from another: no lock
 
 
 def test_the_serial_worker_runs_in_order_once_per_waiting_key_and_drops_past_its_limit() -> None:
