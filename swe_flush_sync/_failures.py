@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from ._transport import CancelToken
 
 RETRY_STATUSES: Final = frozenset({429, 500, 502, 503, 504})
+UNREACHABLE: Final = "could not connect"  # how a failure to connect to the server's port begins
 # What sending or reading a request can raise; anything else is a bug and propagates.
 TRANSPORT_ERRORS: Final = (requests.RequestException, Urllib3HTTPError, http.client.HTTPException, OSError)
 _STATUS_HINTS: Final = {401: "unauthorized: wrong or missing bearer secret", 403: "forbidden",
@@ -72,6 +73,11 @@ _EXCEPTION_MESSAGES: Final = (  # the first class that matches, after NewConnect
 )
 
 
+def unreachable(error: str | None) -> bool:
+    """Did a pair fail because its server's port could not be connected to (refused, unreachable)?"""
+    return error is not None and error.startswith(UNREACHABLE)
+
+
 def _describe_exception(exc: BaseException | None) -> str:
     reason: BaseException | None = exc
     for _ in range(6):  # unwrap requests -> MaxRetryError -> the urllib3 reason
@@ -84,8 +90,8 @@ def _describe_exception(exc: BaseException | None) -> str:
             break
     if isinstance(reason, NewConnectionError) and not isinstance(reason, NameResolutionError):
         cause = reason.__cause__ or reason.__context__
-        return f"could not connect: {cause.strerror.lower()}" if isinstance(cause, OSError) and cause.strerror \
-            else "could not connect"
+        return f"{UNREACHABLE}: {cause.strerror.lower()}" if isinstance(cause, OSError) and cause.strerror \
+            else UNREACHABLE
     why = tls_failure(reason)
     if why is not None:
         return f"TLS error: {why}"

@@ -323,7 +323,8 @@ class Guard:
                                    release=self._settled, say=self.say, say_once=self._lines.say,
                                    metrics=self.metrics)
         self._recovery = None if ledger is None else LedgerRecovery(
-            ledger, grace=takeover_grace, connected=self._connected, stop=self._stop, http=self.deaths.http,
+            ledger, grace=takeover_grace, connected=self._connected, owns=self.deaths.owns, stop=self._stop,
+            http=self.deaths.http,
             say=self.say, say_once=self._lines.say, metrics=self.metrics)
 
     def bind(self) -> None:
@@ -407,7 +408,11 @@ class Guard:
         if not (channel.state or {}).get("lock_fd") or self._life_lock is None:
             return
         try:
-            fd, lock = self.lock_folder.create("trainer-")
+            try:
+                fd, lock = self.lock_folder.create("trainer-")
+            except FileNotFoundError:  # the folder was removed (a cleaner, an operator): made again
+                self._reopen_lock_folder()
+                fd, lock = self.lock_folder.create("trainer-")
         except OSError as exc:
             self._lines.say("lock", f"cannot make a trainer's lock file in {shown(self.lock_folder.path)} "
                                     f"({exc.strerror or exc}): its death is the end of its connection")
@@ -420,6 +425,16 @@ class Guard:
         finally:
             os.close(fd)
         channel.lock = lock
+
+    def _reopen_lock_folder(self) -> None:
+        """Make the lock folder again, with this guard's own lock (the old one proves nothing now)."""
+        self.lock_folder.close()
+        self.lock_folder.open()
+        fd, lock = self.lock_folder.create("guard-")
+        old, self._life_lock = self._life_lock, (fd, lock)
+        if old is not None:
+            os.close(old[0])
+        self.say(f"the lock folder {shown(self.lock_folder.path)} was removed; made again")
 
     def _record_locks(self, channel: Channel) -> dict[str, LockFile | None]:
         """What a record names to prove life: the trainer's lock and this guard's."""

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Final, NamedTuple
 
 from ._errors import ConfigError
+from ._failures import unreachable
 from ._guard_pool import WorkPool
 from ._ledger import recover_with
 from ._liveness import LockFolder, is_held
@@ -36,7 +37,8 @@ if TYPE_CHECKING:
 RECOVER_INTERVAL: Final = 2.0  # seconds between two recovers of the ledger's gone owners
 TAKEOVER_GRACE: Final = 5.0  # seconds a restarted guard waits for a predecessor's lockless trainers to reconnect
 LOCK_RECHECK_MAX: Final = 1.0  # seconds between two looks at the lock of a trainer whose connection ended
-RETRY_FIRST: Final = 1.0  # seconds before the first retry of a failed flush; doubled up to RETRY_MAX
+RETRY_FIRST: Final = 1.0  # seconds before the first retry of a failed flush; doubled up to RETRY_MAX (kept
+# while every failure is a server that could not be connected to: its return is met within RETRY_FIRST)
 RETRY_MAX: Final = 60.0
 RETRY_REFUSED: Final = 600.0  # seconds between two retries the servers refused with 401/403 (a wrong secret)
 RETRY_GIVE_UP: Final = 24 * 3600.0  # seconds after a death when the guard stops retrying (recover can still)
@@ -75,6 +77,7 @@ class DeathFlushes:
         self._release = release
         self._say, self._say_once, self._metrics = say, say_once, metrics
         self._flushing: set[Channel] = set()  # dead trainers whose flush runs, waits or waits to be retried
+        self._owned: collections.Counter[str] = collections.Counter()  # ... their tokens: their records are ours
         self._lock = threading.Lock()  # the loop's thread and the flush workers change _flushing
         self.retrying: set[Channel] = set()  # flushes that failed and wait to be retried
 
@@ -86,7 +89,14 @@ class DeathFlushes:
         """``channel`` ended without a disarm: flush its trainer's last state (once its lock is free)."""
         with self._lock:
             self._flushing.add(channel)
+            if channel.token is not None:
+                self._owned[channel.token] += 1
         self.pool.submit(functools.partial(self._flush_once_gone, channel, time.monotonic(), 0.01))
+
+    def owns(self, token: str) -> bool:
+        """Is the flush of the trainer with ``token`` this guard's now (run, queued or to be retried)?
+        Its record is then left to it: one owner at a time, never the recovery pass too."""
+        return token in self._owned
 
     def _flush_once_gone(self, channel: Channel, ended: float, recheck: float) -> None:
         """Flush once the trainer's lock is free (a held lock is a live trainer: at a death the kernel
@@ -116,7 +126,7 @@ class DeathFlushes:
             report = channel.flush(retry.pairs, max_workers=HTTP_WORKERS, retries=0,  # the guard retries itself
                                    workers=self.http)
         except Exception as exc:  # noqa: BLE001 - one trainer's failure must not stop the guard
-            report, why, refused = None, f"the flush failed: {type(exc).__name__}", False
+            report, why, refused, away = None, f"the flush failed: {type(exc).__name__}", False, False
             if self._metrics is not None:
                 self._metrics.flushed(None)
         else:
@@ -131,7 +141,9 @@ class DeathFlushes:
                     again = f" (attempt {retry.attempt})" if retry.attempt > 1 else ""
                     self._say(f"{who} gone; {report.summary()}{again}")
                 return
-            refused = all(result.status_code in (401, 403) for result in report.results if not result.ok)
+            failed = [result for result in report.results if not result.ok]
+            refused = all(result.status_code in (401, 403) for result in failed)
+            away = all(unreachable(result.error) for result in failed)
             why = report.summary()
             retry = retry._replace(pairs=_failed_pairs(report))
         if retry.attempt == 1:
@@ -146,12 +158,17 @@ class DeathFlushes:
         self._say_once("retrying", f"{who} gone; {why}; retrying in {delay:g} s (every {RETRY_FIRST:g}-"
                                    f"{RETRY_MAX:g} s, {RETRY_REFUSED:g} s after 401/403) until it is flushed")
         self.pool.submit(functools.partial(self._flush, channel, retry._replace(
-            attempt=retry.attempt + 1, delay=min(retry.delay * 2, RETRY_MAX))), delay)
+            attempt=retry.attempt + 1, delay=retry.delay if away else min(retry.delay * 2, RETRY_MAX))), delay)
 
     def _done(self, channel: Channel) -> None:
         self.retrying.discard(channel)
         with self._lock:
-            self._flushing.discard(channel)
+            if channel in self._flushing:
+                self._flushing.discard(channel)
+                if channel.token is not None:
+                    self._owned[channel.token] -= 1
+                    if self._owned[channel.token] <= 0:
+                        del self._owned[channel.token]
         self._release(channel)
 
 
@@ -169,10 +186,12 @@ class LedgerRecovery:
     at once (a dead trainer's free lock says so), then every ``RECOVER_INTERVAL``; a predecessor's
     lockless records only after ``grace`` seconds (its trainers may reconnect meanwhile)."""
 
-    def __init__(self, ledger: str, *, grace: float, connected: collections.Counter[str], stop: threading.Event,
+    def __init__(self, ledger: str, *, grace: float, connected: collections.Counter[str],
+                 owns: Callable[[str], bool], stop: threading.Event,
                  http: Workers, say: Callable[[str], None],
                  say_once: Callable[[str, str], None], metrics: GuardMetrics | None) -> None:
         self._ledger, self._grace, self._connected, self._stop, self._http = ledger, grace, connected, stop, http
+        self._owns = owns
         self._say, self._say_once, self._metrics = say, say_once, metrics
         self._started = time.monotonic()
 
@@ -210,16 +229,17 @@ class LedgerRecovery:
         self._say(f"recovered {records} record(s) of trainers gone; {report.summary()}")
 
     def _judge(self, record: Record, gone: bool) -> bool:
-        """A trainer connected to this guard is never gone; a record the locks decide is as they say;
-        a lockless predecessor's record (its guard gone, here) whose trainer has not reconnected
-        within the grace is gone, whatever its heartbeat says."""
-        if record.trainer is not None and record.trainer in self._connected:
-            return False
+        """A trainer connected to this guard is never gone; a record that names a trainer's lock is as
+        the lock says, else (the file gone or replaced) as its pids and heartbeat say; a lockless
+        predecessor's record (its guard gone, here) whose trainer has not reconnected within the
+        grace is gone, whatever its heartbeat says."""
+        if record.trainer is not None and (record.trainer in self._connected or self._owns(record.trainer)):
+            return False  # guarded by its connection, or its flush is this guard's own (retried with backoff)
         if gone:
             return True
         guard_lock, trainer_lock = record.locks()
-        if trainer_lock is not None and is_held(trainer_lock) is not None:
-            return False  # held: alive
+        if trainer_lock is not None:  # held (alive), or proving nothing: its pids and heartbeat decided ``gone``
+            return False
         if guard_lock is not None and is_held(guard_lock):
             return False  # a live guard keeps it
         predecessor = (record.trainer is not None and record.watchdog_pid != os.getpid()

@@ -141,6 +141,7 @@ def test_a_record_a_recover_took_ends_its_retries(short_dir: Path) -> None:
     class Dead:
         who = "pid 4321 (uid 0)"
         lock = None
+        token = None
         keeper = Keeper()
         flushed = 0
 
