@@ -108,8 +108,8 @@ class _Peer:
 
 
 class _HeldBudget:
-    """What all held states may take (``--max-held``), each counted as ``HELD_COST`` x its line, the
-    dead ones' until their flush ends. The loop's thread and the flush workers change it."""
+    """What all live trainers' held states may take (``--max-held``), each counted as ``HELD_COST`` x its
+    line. The loop's thread and the flush workers change it."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -128,7 +128,8 @@ class _HeldBudget:
     def _over(self, cost: int, peer: _Peer) -> str | None:
         if cost > peer.held and self._used + cost - peer.held > self.limit:
             return (f"the guard's budget for held states ({self.limit >> 20} MiB, --max-held) is spent: this "
-                    f"state needs {max(cost >> 20, 1)} MiB; a smaller state is held, or another guard")
+                    f"state needs {_in_units(cost)}, {_in_units(self.limit - self._used + peer.held)} is left; "
+                    "a smaller state is held, or another guard")
         return None
 
     def take(self, peer: _Peer, size: int) -> None:
@@ -269,6 +270,13 @@ def checked_state(state: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             sorted(str(key) for key in options if key not in _OPTION_KEYS))
 
 
+def _in_units(size: int) -> str:
+    """``size`` bytes as an operator reads them: 412 bytes, 3.2 KiB, 28.0 MiB."""
+    if size < 1024:
+        return f"{max(size, 0)} bytes"
+    return f"{size / 1024:.1f} KiB" if size < 1 << 20 else f"{size / (1 << 20):.1f} MiB"
+
+
 def _named(state: dict[str, Any], peer_pid: int) -> str:
     """A trainer as its own PID namespace sees it (the pid in its state), else as this guard's does."""
     return f"pid {state.get('pid') or peer_pid}"
@@ -367,8 +375,8 @@ class Guard:
         if uid not in (os.geteuid(), 0):
             if self.metrics is not None:
                 self.metrics.dropped.labels("other_uid").inc()
-            self.say(f"refused a connection from uid {uid} (pid {pid}): only uid {os.geteuid()} and root may "
-                     "connect")
+            self._lines.say(f"other uid {uid}", f"refused a connection from uid {uid} (pid {pid}): only uid "
+                                                f"{os.geteuid()} and root may connect")
             conn.close()
             return
         if len(self.loop.channels) >= self.max_peers and not self._drop_idle():
@@ -474,10 +482,10 @@ class Guard:
         self.budget.take(peer, size)
         if first and isinstance(state.get("trainer"), str):
             self._connected[state["trainer"]] += 1
-        if dropped and not peer.said_options:  # once per connection
+        if dropped and not peer.said_options:  # once per connection, and once a minute over all of them
             peer.said_options = True
-            self.say(f"trainer {_named(state, pid)} sent options this guard does not know, dropped: "
-                     f"{shown(', '.join(dropped))} (upgrade the guard)")
+            self._lines.say("unknown options", f"trainer {_named(state, pid)} sent options this guard does not "
+                                               f"know, dropped: {shown(', '.join(dropped))} (upgrade the guard)")
         return state
 
     def _status(self) -> bytes:
@@ -508,7 +516,8 @@ class Guard:
         elif channel.disarmed or channel.state is None:
             channel.settle(None)
             self._settled(channel)
-        else:
+        else:  # a death: its pairs wait for their flush outside the budget, which counts live trainers
+            self.budget.release(channel)
             self.deaths.gone(channel)
 
     def _woken(self) -> None:

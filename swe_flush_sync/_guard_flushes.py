@@ -218,7 +218,7 @@ class LedgerRecovery:
                     said_no_server = True
                     self._say(f"cannot recover the ledger: {exc}; guarding goes on")
             except Exception as exc:  # noqa: BLE001 - a recover that fails must not stop the guard
-                self._say(f"recovering the ledger failed: {type(exc).__name__}")
+                self._say_once("recover failed", f"recovering the ledger failed: {type(exc).__name__}")
             self._stop.wait(RECOVER_INTERVAL)
 
     def _said_recovered(self, records: int, report: FlushReport) -> None:

@@ -60,6 +60,7 @@ class SocketPath:
         self._identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket file we bound
         self._lock_fd: int | None = None
         self.handed_over = False  # draining: the lock is let go, the socket answers until a successor binds
+        self._lost = False  # the path was removed or replaced and is not taken back yet
         self.paused_until: float | None = None
         self._checked_at = time.monotonic()
 
@@ -118,22 +119,26 @@ class SocketPath:
 
     def keep(self) -> None:
         """Every ``PATH_CHECK`` seconds: the path must still be our socket; removed or replaced, it is
-        taken back and listened on again."""
+        taken back and listened on again, tried every ``PATH_CHECK`` seconds for as long as it fails."""
         now = time.monotonic()
-        if now < self._checked_at + PATH_CHECK or self._listener is None or self.paused_until is not None:
+        if now < self._checked_at + PATH_CHECK or self.paused_until is not None:
+            return
+        if self._listener is None and not self._lost:  # not listening yet, or given up
             return
         self._checked_at = now
-        with contextlib.suppress(OSError):
-            info = os.lstat(self.path)
-            if (info.st_dev, info.st_ino) == self._identity:
+        if self._listener is not None:
+            with contextlib.suppress(OSError):
+                info = os.lstat(self.path)
+                if (info.st_dev, info.st_ino) == self._identity:
+                    return
+            self._loop.unwatch(self._listener.fileno())
+            self._listener.close()
+            self._listener = None
+            if self.handed_over:  # a successor took the path (or it went): the draining guard takes it no more
+                self._say(f"the socket at {shown(self.path)} is no longer this draining guard's: new trainers "
+                          "arm with the guard that took it")
                 return
-        self._loop.unwatch(self._listener.fileno())
-        self._listener.close()
-        self._listener = None
-        if self.handed_over:  # a successor took the path (or it went): the draining guard takes it no more
-            self._say(f"the socket at {shown(self.path)} is no longer this draining guard's: new trainers arm "
-                      "with the guard that took it")
-            return
+            self._lost = True
         try:
             self._take_path()
             self._listen()
@@ -141,7 +146,9 @@ class SocketPath:
             self._say_once("path", f"the socket at {shown(self.path)} was removed or replaced and cannot be taken "
                                    f"back yet: {exc}; trying again every {PATH_CHECK:g} s")
             return
-        self._say(f"the socket at {shown(self.path)} was removed or replaced; listening there again")
+        self._lost = False
+        self._say_once("path back", f"the socket at {shown(self.path)} was removed or replaced; listening there "
+                                    "again")
 
     def hand_over(self) -> None:
         """Draining: let the path's lock go, so that a successor may take the path, and keep answering
@@ -153,6 +160,7 @@ class SocketPath:
 
     def give_up(self) -> None:
         """Stop listening; remove the socket file only while it is still ours; release the path's lock."""
+        self._lost = False
         if self._listener is not None:
             self._loop.unwatch(self._listener.fileno())
             self._listener.close()
@@ -241,4 +249,5 @@ class SocketPath:
                              f"{served_by}): {exc.strerror or exc}; remove it as that user, or run the guard as "
                              "that user") from None
         if served_by:
-            self._say(f"replaced the socket at {shown(self.path)}{served_by}: this guard holds the path's lock")
+            self._say_once("path squatted", f"replaced the socket at {shown(self.path)}{served_by}: this guard holds "
+                                            "the path's lock")

@@ -12,15 +12,18 @@ import signal
 import socket
 import subprocess
 import textwrap
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from swe_flush_sync._guard import guard_status
+from swe_flush_sync._guard_socket import PATH_CHECK
 from swe_flush_sync.testing import AgentServerStub
 
 from .conftest import PYTHON, SECRET, StartGuard, read_until, spawn, stays, subprocess_env, wait_until
-from .helpers import OTHER_UID, Trainer, a_state, connect, needs_root, records, state_line
+from .helpers import OTHER_UID, Trainer, a_state, answer, connect, needs_root, records, state_line
 
 LONG_STEP = """
 args = argparse.Namespace(session_server_instance_ids={{1: "{name}-a", 2: "{name}-b"}})
@@ -223,3 +226,78 @@ def test_a_server_that_refused_through_a_death_is_flushed_within_a_second_of_its
 
 def ledger_record_gone(ledger: Path) -> bool:
     return any(json.loads(path.read_text()).get("gone") for path in records(ledger))
+
+
+def test_the_path_is_taken_back_however_many_tries_fail(start_guard: StartGuard) -> None:
+    """Issue 54: 1.1 stopped checking the path after one failed take-back (a regular file there for 3 s):
+    the guard lived on, unreachable, saying "trying again every 2 s"."""
+    guard = start_guard()
+    os.unlink(guard.socket)
+    Path(guard.socket).write_text("not a socket")  # what a careless script or a neighbour leaves there
+    assert stays(lambda: guard_status(guard.socket) is None, PATH_CHECK + 1.0)  # a take-back failed meanwhile
+    os.unlink(guard.socket)
+    assert wait_until(lambda: guard_status(guard.socket) is not None, PATH_CHECK + 3.0)
+    guard.proc.send_signal(signal.SIGTERM)
+    assert guard.proc.wait(10) == 0
+    said = guard.stderr()
+    assert said.count("cannot be taken back yet") == 1 and "listening there again" in said, said
+
+
+def _refused_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_a_dead_trainers_state_leaves_the_budget_to_live_ones(start_guard: StartGuard) -> None:
+    """Issue 54: a dead trainer's share was freed only once its flush ended, so while its server was down
+    a new trainer was refused ("needs 1 MiB" for a state a fraction of that)."""
+    guard = start_guard("--max-held", "1")
+    down = f"http://127.0.0.1:{_refused_port()}"
+
+    def line(number: int, ids: int) -> bytes:
+        return state_line(a_state(urls=[down], ids=[f"t{number}-{i:06d}-" + "x" * 40 for i in range(ids)],
+                                  trainer=f"{number:032x}"))
+
+    dying = connect(guard.socket)
+    dying.sendall(line(1, 7000))  # about 350 KiB: counted 700 KiB of the 1 MiB
+    assert answer(dying).startswith(b"held")
+    dying.close()  # a death while its server refuses: its flush is retried (for up to 24 h)
+    assert wait_until(lambda: (status := guard_status(guard.socket)) is not None and status.trainers == 0, 5.0)
+    with connect(guard.socket) as live, connect(guard.socket) as over:
+        live.sendall(line(2, 7000))
+        assert answer(live).startswith(b"held")  # (1.1: refused, the dead one's share still counted)
+        over.sendall(line(3, 7000))
+        said = answer(over)
+        assert said.startswith(b"refused") and b"this state needs 7" in said and b"KiB" in said, said
+
+
+def test_garbage_peers_make_at_most_a_line_a_minute_of_each_kind(start_guard: StartGuard) -> None:
+    """Issue 54: "sent options this guard does not know" was said once per connection (1,136-1,565 lines in
+    12-20 s of garbage peers). Every line a peer can make repeat is said at most once a minute per kind."""
+    guard = start_guard()
+    stop_at = time.monotonic() + 12.0
+    sent = [0]
+
+    def garbage(number: int) -> None:
+        lines = [b"not json\n", b'{"seq": 1, "v": 2, "state": []}\n',
+                 state_line(a_state(trainer=f"{number:032x}", options={"from_the_future": 1})) + b'{"disarm": true}\n']
+        while time.monotonic() < stop_at:
+            try:
+                with connect(guard.socket) as peer:
+                    peer.sendall(lines[sent[0] % len(lines)])
+                    answer(peer)
+            except OSError:
+                pass
+            sent[0] += 1
+
+    peers = [threading.Thread(target=garbage, args=(number,)) for number in range(20)]
+    for peer in peers:
+        peer.start()
+    for peer in peers:
+        peer.join()
+    assert guard_status(guard.socket) is not None  # it served them all, and answers
+    guard.proc.send_signal(signal.SIGTERM)
+    assert guard.proc.wait(10) == 0
+    said = guard.stderr().splitlines()
+    assert sent[0] > 1000 and len(said) <= 60, (sent[0], len(said), said[:10])
