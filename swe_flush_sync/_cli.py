@@ -305,6 +305,8 @@ def _run_flush(ns: argparse.Namespace) -> int:
         raise ConfigError("no agent server URL: pass --url or set AGENT_SERVER_URL")
     bearer = StaticBearer(_read_secret_file(ns.secret_file), source="--secret-file") if ns.secret_file \
         else resolve_bearer()
+    if any(not instance_id.strip() for instance_id in ns.ids):
+        raise ConfigError("--id was given an empty value (an unset shell variable?): give the instance id")
     ids = normalize_instance_ids([*ns.ids, *(_read_ids_json(ns.ids_json) if ns.ids_json else ())])
     logging_context = _logging_to_stderr(_verbosity(ns.verbose)) if ns.verbose else contextlib.nullcontext()
     with logging_context, Flusher(urls, bearer=bearer, deadline=ns.deadline, max_workers=ns.workers,

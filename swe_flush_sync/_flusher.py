@@ -36,7 +36,7 @@ from ._errors import ConfigError, FlushError
 from ._logs import WORKER_THREAD_PREFIX, install_urllib3_filter, log_report
 from ._options import FlushOptions, check_seconds
 from ._report import FlushReport, FlushResult, collector_paused, never_sent
-from ._resolve import normalize_instance_ids, normalize_server_urls
+from ._resolve import normalize_instance_ids, normalize_server_urls, resolve_bearer
 from ._threads import Workers
 from ._transport import CancelToken, Transport
 
@@ -112,9 +112,12 @@ class Flusher:
         server_urls: an agent server URL, a comma-separated list, or a sequence of URLs.
         **options: the options of ``FlushOptions`` (``deadline``: 10 s by default, ``linger``,
             ``until_idle``, ``admin_secret``/``bearer``, ...); a misspelt one is a ``TypeError``.
+            Neither ``admin_secret`` nor ``bearer``: the environment's bearer, as every entry point
+            reads it (``HARBOR_ADMIN_SECRET`` and its fallbacks, then ``HARBOR_RUN_SECRET``); none
+            there: no ``Authorization`` header.
 
     Raises:
-        ConfigError: an option is invalid; the message names it.
+        ConfigError: an option, or the environment's secret, is invalid; the message names it.
 
     Examples:
         ```python
@@ -126,7 +129,10 @@ class Flusher:
     """
 
     def __init__(self, server_urls: str | Sequence[str], **options: Unpack[OptionKwargs]) -> None:
-        self._setup(normalize_server_urls(server_urls), FlushOptions(**options))
+        flush_options = FlushOptions(**options)
+        if flush_options.admin_secret is None and flush_options.bearer is None:  # the one bearer rule
+            flush_options = dataclasses.replace(flush_options, bearer=resolve_bearer())
+        self._setup(normalize_server_urls(server_urls), flush_options)
 
     @classmethod
     def from_options(cls, server_urls: str | Sequence[str], options: FlushOptions) -> Flusher:

@@ -169,8 +169,12 @@ def _abort_report(args: Any, environ: Mapping[str, str] | None, options: FlushOp
     try:
         env = os.environ if environ is None else environ
         urls = resolve_server_urls(env)
-        if not urls:
-            _warn_no_server_once(args, hook)
+        if not urls:  # ids to flush and nowhere to send them: a misconfiguration, never ok
+            with contextlib.suppress(FlushError):  # (args without ids: nothing to flush, nothing to say)
+                ids = resolve_instance_ids(args)
+                if ids:
+                    _warn_no_server_once(len(ids), hook)
+                    return FlushReport(elapsed=time.monotonic() - started, error=_no_server(len(ids)))
             return FlushReport(elapsed=time.monotonic() - started)
         ids = resolve_instance_ids(args)
         if not ids:
@@ -187,21 +191,19 @@ def _abort_report(args: Any, environ: Mapping[str, str] | None, options: FlushOp
     return FlushReport(elapsed=time.monotonic() - started, error=error)
 
 
-def _warn_no_server_once(args: Any, hook: bool) -> None:
-    """Ids to flush but nowhere to send them: a misconfiguration, said once per process with
-    ``warnings.warn`` (it reaches stderr with no logging set up). Never from a hook."""
+def _no_server(ids: int) -> str:
+    return (f"{ids} instance id(s) in args but no agent server configured ({' and '.join(URL_ENV_VARS)} unset): "
+            "nothing was flushed")
+
+
+def _warn_no_server_once(ids: int, hook: bool) -> None:
+    """Ids to flush but nowhere to send them (the report's error says it too): also said once per
+    process with ``warnings.warn``, which reaches stderr with no logging set up. Never from a hook."""
     if _State.said_no_server or hook:
-        return
-    try:
-        ids = resolve_instance_ids(args)
-    except FlushError:
-        return  # bad args and no server: nothing to say about the ids
-    if not ids:
         return
     _State.said_no_server = True
     with contextlib.suppress(Warning):  # "-W error" makes it an exception: abort still never raises
-        warnings.warn(f"abort: {len(ids)} instance id(s) in args but no agent server configured "
-                      f"({' and '.join(URL_ENV_VARS)} unset): nothing was flushed", UserWarning, stacklevel=4)
+        warnings.warn(f"abort: {_no_server(ids)}", UserWarning, stacklevel=4)
 
 
 def abort(args: Any, *, environ: Mapping[str, str] | None = None, **options: Unpack[OptionKwargs]) -> FlushReport:
@@ -224,9 +226,10 @@ def abort(args: Any, *, environ: Mapping[str, str] | None = None, **options: Unp
             ``admin_secret``/``bearer`` to override the environment's bearer, ...).
 
     Returns:
-        The ``FlushReport``. No server or no ids: an empty ok report, nothing sent (ids with no
-        server configured is said once per process with ``warnings.warn``). A configuration problem (a bad option
-        or environment value) is logged as one warning and returned in ``report.error``.
+        The ``FlushReport``. No ids: an empty ok report, nothing sent. Ids but no server: nothing
+        sent, and ``report.error`` says so (so ``ok`` is False; also said once per process with
+        ``warnings.warn``). A configuration problem (a bad option or environment value) is logged
+        as one warning and returned in ``report.error``.
 
     Raises:
         TypeError: a misspelt option (at the call, like any misspelt keyword).

@@ -65,7 +65,9 @@ class FlushOptions:
             server that does not say ``cancelled`` gets one pass. Default False: one pass.
         admin_secret: a static bearer secret; shorthand for ``bearer=StaticBearer(secret)``.
         bearer: a bearer provider (instance id -> token), e.g. ``ScopedBearer``; at most one
-            of ``admin_secret`` and ``bearer``. Neither: no ``Authorization`` header.
+            of ``admin_secret`` and ``bearer``. Neither: every entry point (``flush``, ``Flusher``,
+            ``abort``, the hooks, ``watchdog``, ``recover``, the CLI) uses the environment's
+            bearer (``resolve_bearer``), and without one sends no ``Authorization`` header.
         ca_bundle: the CA certificates that https servers are verified against: a PEM file or a
             directory of them (default: ``REQUESTS_CA_BUNDLE``, ``CURL_CA_BUNDLE`` or
             ``SSL_CERT_FILE``, then the system store). Verification is never turned off.

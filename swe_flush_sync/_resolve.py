@@ -214,22 +214,25 @@ def _check_url(url: str, source: str) -> str:
 
 
 def redact_url(url: str) -> str:
-    """What may be shown of a URL, as typed: its scheme and host, escaped; ``***@`` where it had
-    credentials (whatever stood before the last ``@``); nothing after the host (a path or query
-    may hold a secret). A value with no scheme is shown the same way: ``'127.0.0.1:8000'``.
+    """A URL as typed, escaped, with what may be secret hidden: ``***@`` for credentials (whatever
+    stood before the last ``@``), ``***`` for each query value and the fragment. A mistyped value
+    is shown whole the same way, quoted: ``'http//127.0.0.1:9'``.
 
     Examples:
         ```python
-        redact_url("http://admin:pa55/x@host:9/path")
-        # 'http://***@host:9'
+        redact_url("http://admin:pa55/x@host:9/path?token=abc")
+        # 'http://***@host:9/path?token=***'
         ```
     """
     scheme, sep, rest = url.partition("://")
     if not sep:
         scheme, rest = "", url
-    credentials = "@" in rest
-    rest = rest.rpartition("@")[2]
-    for delimiter in "/?#":
-        rest = rest.partition(delimiter)[0]
-    shown_url = shown(f"{scheme}{sep}{'***@' if credentials else ''}{rest}", 120)
+    if "@" in rest:
+        rest = "***@" + rest.rpartition("@")[2]
+    rest, hashed, fragment = rest.partition("#")
+    rest, asked, query = rest.partition("?")
+    if asked:
+        rest += "?" + "&".join(name + ("=***" if has_value else "")
+                               for name, has_value, _ in (item.partition("=") for item in query.split("&")))
+    shown_url = shown(f"{scheme}{sep}{rest}{'#***' if hashed and fragment else hashed}", 200)
     return shown_url if sep else f"'{shown_url}'"

@@ -92,6 +92,8 @@ def test_ids_json_from_stdin(stub: AgentServerStub, secret_file: Path, monkeypat
         (["--id", "a"], "no agent server URL"),
         (["--url", "ftp://x", "--id", "a"], "--url: ftp://x must start with http"),
         (["--url", "http://u:pw@h:1", "--id", "a"], "***@"),
+        (["--url", "http//127.0.0.1:9", "--id", "a"], "--url: 'http//127.0.0.1:9' must start with http"),
+        (["--url", "http://h:1", "--id", ""], "--id was given an empty value"),
         (["--url", "http://h:1", "--ids-json", "/nonexistent/ids.json"], "--ids-json: cannot read"),
         (["--url", "http://h:1", "--secret-file", "/nonexistent/secret"], "--secret-file: cannot read"),
         (["--url", "http://h:1", "--deadline", "0", "--id", "a"], "deadline must be > 0"),
@@ -206,7 +208,7 @@ def test_ids_json_names_the_shape_it_wants(tmp_path: Path, content: str) -> None
 
 
 @pytest.mark.parametrize(("typed", "shown_as"), [("127.0.0.1:8000", "'127.0.0.1:8000'"),
-                                                 ("http//admin:hunter2@host/x", "'***@host'")])
+                                                 ("http//admin:hunter2@host/x", "'***@host/x'")])
 def test_a_bad_url_shows_what_was_typed_without_credentials(typed: str, shown_as: str) -> None:
     out = _cli("--url", typed, "--id", "a")
     assert out.returncode == 2 and f"--url: {shown_as} must start with http:// or https://" in out.stderr

@@ -9,14 +9,15 @@ import subprocess
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from swe_flush_sync import Flusher, FlushFailed, abort, flush
+from swe_flush_sync import Flusher, FlushFailed, abort, flush, recover
 from swe_flush_sync.testing import AgentServerStub
 
 from .conftest import PYTHON, SECRET, ours, subprocess_env, wait_no_library_threads, wait_threads_gone
-from .helpers import env_for
+from .helpers import env_for, write_record
 
 
 def test_abort_flushes_plural_and_singular_once_with_bearer(stub: AgentServerStub) -> None:
@@ -174,7 +175,9 @@ def test_abort_reuses_its_flusher_across_steps(stub: AgentServerStub) -> None:
 
 
 def test_abort_nothing_to_do(stub: AgentServerStub) -> None:
-    assert abort({"session_server_instance_ids": {1: "a"}}, environ={}).ok
+    assert abort({"session_server_instance_ids": None}, environ={}).ok  # no ids, no server: nothing to do
+    unsent = abort({"session_server_instance_ids": {1: "a"}}, environ={})  # ids, no server: never ok
+    assert not unsent.ok and unsent.results == () and "AGENT_SERVER_URL" in (unsent.error or "")
     report = abort({"session_server_instance_ids": None, "session_server_instance_id": None}, environ=env_for(stub))
     assert report.ok and report.results == () and report.error is None
     assert stub.requests == []
@@ -233,3 +236,35 @@ def test_ours_helper_sees_workers(stub: AgentServerStub) -> None:
     done.wait(3)
     flusher.close()
     assert wait_no_library_threads() == []
+
+
+@pytest.mark.parametrize("entry", ["flush", "Flusher", "abort", "flush_at_exit", "recover", "cli"])
+def test_one_bearer_rule_in_every_entry_point(stub: AgentServerStub, entry: str, monkeypatch: pytest.MonkeyPatch,
+                                              tmp_path: Path) -> None:
+    """Issue 55: 1.1's ``flush()`` and ``Flusher()`` ignored ``HARBOR_ADMIN_SECRET`` (HTTP 401) while the docs,
+    ``abort``, the hooks, ``watchdog`` and the CLI read it. An argument wins over the environment."""
+    monkeypatch.setenv("HARBOR_ADMIN_SECRET", SECRET)
+    monkeypatch.setenv("AGENT_SERVER_URL", stub.url)
+    args = {"session_server_instance_id": f"{entry}-1"}
+    if entry == "flush":
+        report = flush(stub.url, [f"{entry}-1"])
+    elif entry == "Flusher":
+        with Flusher(stub.url) as flusher:
+            report = flusher.flush([f"{entry}-1"])
+    elif entry == "abort":
+        report = abort(args)
+    elif entry == "recover":
+        write_record(tmp_path, "gone", [f"{entry}-1"], stub.url)
+        report = recover(str(tmp_path))
+    else:  # a process of its own: the exit hook at a real exit, the command line
+        code = (f"from swe_flush_sync import flush_at_exit; flush_at_exit({args!r})" if entry == "flush_at_exit"
+                else f"from swe_flush_sync._cli import main; raise SystemExit(main(['--id', '{entry}-1']))")
+        out = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=60,
+                             env=subprocess_env(AGENT_SERVER_URL=stub.url, HARBOR_ADMIN_SECRET=SECRET))
+        assert out.returncode == 0, out.stderr
+        report = None
+    assert report is None or report.ok, report
+    assert stub.flushed_ids() == [f"{entry}-1"]
+    if entry in ("flush", "Flusher"):  # an argument wins over the environment
+        wrong = flush(stub.url, ["wrong"], admin_secret="not-" + SECRET)
+        assert not wrong.ok and wrong.results[0].status_code == 401

@@ -361,8 +361,9 @@ def test_a_hook_that_fired_lets_its_standby_threads_go() -> None:
         hook = flush_on_signal({"session_server_instance_id": "x"}, signals=(signal.SIGUSR2,), max_workers=4,
                                environ={})
         assert len(_standby_threads()) == 4
-        signal.raise_signal(signal.SIGUSR2)  # no server configured: an empty flush, then the handler before
-        assert called == [signal.SIGUSR2] and hook.report is not None and hook.report.ok
+        signal.raise_signal(signal.SIGUSR2)  # no server configured: nothing sent (and said), then the handler before
+        assert called == [signal.SIGUSR2] and hook.report is not None and hook.report.results == ()
+        assert "no agent server configured" in (hook.report.error or "")
         assert _count_settles(0), "a hook that has fired ends its standby threads within a second"
         hook.uninstall()
     finally:

@@ -48,7 +48,8 @@ def a_record(**changes: object) -> Record:
 
 def test_what_a_keeper_writes_reads_back(tmp_path: Path) -> None:
     keeper = RecordKeeper(str(tmp_path), os.getpid(), 2.5, token="t" * 32,
-                          locks={"trainer_lock": LockFile("/run/l/t", "1:2"), "guard_lock": LockFile("/run/l/g", "1:3")})
+                          locks={"trainer_lock": LockFile("/run/l/t", "1:2"),
+                                 "guard_lock": LockFile("/run/l/g", "1:3")})
     keeper.update({"urls": list(URLS), "ids": ["a", "b"], "tokens": {"a": "secret"}})
     before = time.time()
     keeper.write()

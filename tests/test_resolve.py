@@ -165,13 +165,17 @@ class TestServerUrls:
             normalize_server_urls(5)  # type: ignore[arg-type]
 
 
-def test_redact_url_shows_scheme_and_host_only() -> None:
-    assert redact_url("https://u:p@h:1/x?q") == "https://***@h:1"
+def test_redact_url_shows_what_was_typed_but_secrets() -> None:
+    assert redact_url("https://u:p@h:1/x?q") == "https://***@h:1/x?q"
     assert redact_url("http://h:1/a@b") == "http://***@b"
     assert redact_url("http://h") == "http://h"
-    assert redact_url("http://h:1/path?token=abc") == "http://h:1"
+    assert redact_url("http://h:1/path?token=abc&x=1#frag") == "http://h:1/path?token=***&x=***#***"
     assert redact_url("127.0.0.1:8000") == "'127.0.0.1:8000'"  # as typed: the mistake is visible
-    assert redact_url("http//user:hunter2@host/x") == "'***@host'"  # and still no password
+    assert redact_url("http//user:hunter2@host/x") == "'***@host/x'"  # and still no password
+    # 1.1 cut a mistyped value at its first "/": 'http' must start with http://
+    assert redact_url("http//127.0.0.1:9") == "'http//127.0.0.1:9'"
+    assert redact_url("http:/127.0.0.1:9/") == "'http:/127.0.0.1:9/'"
+    assert redact_url("htp://agent:8000/v1") == "htp://agent:8000/v1"
 
 
 def test_static_bearer_from_env() -> None:
