@@ -58,9 +58,10 @@ USAGE = """swe-flush [--url URL]... [--id ID]... [--ids-json PATH|-] [--secret-f
                              [--ca-bundle PATH] [--client-cert PATH [--client-key PATH]]
                              [--deadline S] [--workers N] [--retries N] [--json] [-q | -v]
        swe-flush guard --socket PATH [--ledger DIR] [--drain S] [--heartbeat S] [--takeover-grace S]
-                       [--metrics [HOST:]PORT] [-v]
+                       [--max-held MIB] [--metrics [HOST:]PORT] [-v]
        swe-flush guard --socket PATH --status
-       swe-flush doctor [--url URL]... [--guard PATH] [--ledger DIR] [--ca-bundle PATH] [--client-cert PATH] [--json]
+       swe-flush doctor [--url URL]... [--guard PATH] [--ledger DIR] [--ca-bundle PATH]
+                        [--client-cert PATH [--client-key PATH]] [--json]
        swe-flush stub [--host H] [--port P] [--teardown S] [--max-concurrent N] [--secret-env VAR]"""
 EXIT_INTERRUPTED = 130
 _OPTION_FLAGS = {"servers": "--url", "max_workers": "--workers", "deadline": "--deadline", "retries": "--retries",
