@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 from ._errors import ConfigError
-from ._flusher import flush
+from ._flusher import Flusher
 from ._guard import guard_status
 from ._guard_client import ImpostorError, connect_to_guard
+from ._options import FlushOptions
 from ._resolve import (
     RUN_SECRET_ENV_VAR,
     SECRET_ENV_VARS,
@@ -63,8 +64,9 @@ def run_checks(urls: list[str] | None = None, guard: str | None = None, ledger: 
     checks: list[Check] = []
     servers = _servers(urls, env, checks)
     bearer = _bearer(env, checks)
+    bearer_failed = checks[-1].status == "fail"  # a server's 401 then follows from it: said so, not advised again
     for url in servers:
-        checks.append(_server(url, bearer, tls))
+        checks.append(_server(url, bearer, tls, bearer_failed))
     guard_path = guard if guard is not None else (env.get(GUARD_ENV_VAR) or "").strip() or None
     guarded = _guard(guard_path, checks)
     checks.append(_container(guarded))
@@ -110,12 +112,14 @@ def _bearer(env: Mapping[str, str], checks: list[Check]) -> Any:
     return provider
 
 
-def _server(url: str, bearer: Any, tls: Mapping[str, Any]) -> Check:
+def _server(url: str, bearer: Any, tls: Mapping[str, Any], bearer_failed: bool = False) -> Check:
     """One ``/flush`` of an id no trainer has: reachable, TLS, and the bearer, in one request."""
     name = f"server {redact_url(url)}"
     probe = f"swe-flush-doctor-{secrets.token_hex(8)}"  # the scoped bearers' id format
     try:
-        report = flush(url, [probe], deadline=PROBE_DEADLINE, retries=0, until_idle=False, bearer=bearer, **tls)
+        options = FlushOptions(deadline=PROBE_DEADLINE, retries=0, until_idle=False, linger=0.0, bearer=bearer, **tls)
+        with Flusher.from_options(url, options) as flusher:  # this bearer exactly (None: none, not the environment's)
+            report = flusher.flush([probe])
     except ConfigError as exc:
         return Check(name, "fail", str(exc))
     [result] = report.results
@@ -123,6 +127,9 @@ def _server(url: str, bearer: Any, tls: Mapping[str, Any]) -> Check:
         said = "" if result.cancelled is None else f", cancelled {result.cancelled}"
         return Check(name, "ok", f"reachable; /flush of an unknown id answered {result.status_code}{said}: the "
                                  "bearer is accepted")
+    if result.status_code in (401, 403) and bearer_failed:
+        return Check(name, "fail", f"/flush answered {result.status_code}: no bearer was sent, because the bearer "
+                                   "check above failed; fix that first")
     if result.status_code in (401, 403) and bearer is None:
         return Check(name, "fail", f"/flush answered {result.status_code} and no bearer is set: set "
                                    f"{SECRET_ENV_VARS[0]} to the server's secret (or {RUN_SECRET_ENV_VAR} for scoped "

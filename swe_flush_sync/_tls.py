@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Final
 
 from ._errors import ConfigError
+from ._text import shown
 
 CA_BUNDLE_ENV_VARS: Final = ("REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "SSL_CERT_FILE")
 _HOSTNAME_MISMATCH: Final = frozenset({62, 64})  # X509_V_ERR_HOSTNAME_MISMATCH, X509_V_ERR_IP_ADDRESS_MISMATCH
@@ -41,7 +42,8 @@ def check_path(value: object, name: str, *, directory_ok: bool = False) -> str:
         with open(value, "rb"):
             pass
     except OSError as exc:
-        raise ConfigError(f"{name}: cannot read the file: {exc.strerror or type(exc).__name__}") from None
+        raise ConfigError(f"{name}: cannot read the file {shown(value)}: {exc.strerror or type(exc).__name__}; give "
+                          "the path of a readable PEM file") from None
     return value
 
 

@@ -58,6 +58,19 @@ def test_a_wrong_bearer_fails_and_says_what_to_set(stub: AgentServerStub) -> Non
     assert "not-the-secret" not in text and SECRET not in text
 
 
+def test_a_fail_that_follows_from_an_earlier_one_says_so(stub: AgentServerStub, tmp_path: Path) -> None:
+    """Issue 55: a too-short HARBOR_RUN_SECRET failed the bearer line, then the server's line advised
+    "no bearer is set: set HARBOR_ADMIN_SECRET", the wrong variable for a scoped deployment."""
+    code, checks, text = doctor(AGENT_SERVER_URL=stub.url, HARBOR_RUN_SECRET="too-short")
+    assert code == 1 and checks["bearer"]["status"] == "fail" and "HARBOR_RUN_SECRET" in checks["bearer"]["detail"]
+    assert "because the bearer check above failed" in server_check(checks)["detail"]
+    assert "set HARBOR_ADMIN_SECRET" not in server_check(checks)["detail"] and "too-short" not in text
+    missing = str(tmp_path / "missing-ca.pem")
+    code, checks, text = doctor("--ca-bundle", missing, AGENT_SERVER_URL=stub.url, HARBOR_ADMIN_SECRET=SECRET)
+    assert code == 1 and f"cannot read the file {missing}" in server_check(checks)["detail"]
+    assert "give the path of a readable PEM file" in server_check(checks)["detail"]
+
+
 def test_a_scoped_bearer_is_derived_for_the_probe(stub_factory: Callable[..., AgentServerStub]) -> None:
     server = stub_factory(scoped_secret=MASTER)
     code, checks, text = doctor(AGENT_SERVER_URL=server.url, HARBOR_RUN_SECRET=MASTER)
