@@ -37,8 +37,9 @@ if TYPE_CHECKING:
 RECOVER_INTERVAL: Final = 2.0  # seconds between two recovers of the ledger's gone owners
 TAKEOVER_GRACE: Final = 5.0  # seconds a restarted guard waits for a predecessor's lockless trainers to reconnect
 LOCK_RECHECK_MAX: Final = 1.0  # seconds between two looks at the lock of a trainer whose connection ended
-RETRY_FIRST: Final = 1.0  # seconds before the first retry of a failed flush; doubled up to RETRY_MAX (kept
-# while every failure is a server that could not be connected to: its return is met within RETRY_FIRST)
+RETRY_FIRST: Final = 1.0  # seconds before the first retry of a failed flush; doubled up to RETRY_MAX
+RETRY_UNREACHABLE: Final = 0.5  # ... but while every failure is a server that refuses connections (its
+# return is met within a second, a request's time included)
 RETRY_MAX: Final = 60.0
 RETRY_REFUSED: Final = 600.0  # seconds between two retries the servers refused with 401/403 (a wrong secret)
 RETRY_GIVE_UP: Final = 24 * 3600.0  # seconds after a death when the guard stops retrying (recover can still)
@@ -149,14 +150,15 @@ class DeathFlushes:
         if retry.attempt == 1:
             channel.mark_gone()
             self.retrying.add(channel)
-        delay = RETRY_REFUSED if refused else retry.delay
+        delay = RETRY_REFUSED if refused else RETRY_UNREACHABLE if away else retry.delay
         if time.monotonic() + delay - retry.died > RETRY_GIVE_UP:
             self._done(channel)
             self._say(f"{who} gone; {why}; gave up retrying after {RETRY_GIVE_UP / 3600:g} h: its record stays "
                       "for recover")
             return
         self._say_once("retrying", f"{who} gone; {why}; retrying in {delay:g} s (every {RETRY_FIRST:g}-"
-                                   f"{RETRY_MAX:g} s, {RETRY_REFUSED:g} s after 401/403) until it is flushed")
+                                   f"{RETRY_MAX:g} s, {RETRY_UNREACHABLE:g} s while refused, {RETRY_REFUSED:g} s "
+                                   "after 401/403) until it is flushed")
         self.pool.submit(functools.partial(self._flush, channel, retry._replace(
             attempt=retry.attempt + 1, delay=retry.delay if away else min(retry.delay * 2, RETRY_MAX))), delay)
 

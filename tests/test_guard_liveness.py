@@ -198,7 +198,7 @@ def test_a_server_that_refused_through_a_death_is_flushed_within_a_second_of_its
                                                                                         ) -> None:
     """The matrix's ``down`` event (issue 54): the server refuses connections from just before a death until 3 s
     after. 1.1 met its return 1.7-2.3 s late: retries backed off to 2 s, and the guard's own recovery pass took
-    the record its retry queue held. Retries of a refused server come every second, and one owner holds a record."""
+    the record its retry queue held. Retries of a refused server come every 0.5 s, and one owner holds a record."""
     ledger = short_dir / "ledger"
     with AgentServerStub(secret=SECRET) as first:
         port = int(first.url.rsplit(":", 1)[1])
