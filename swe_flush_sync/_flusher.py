@@ -37,7 +37,7 @@ from ._logs import WORKER_THREAD_PREFIX, install_urllib3_filter, log_report
 from ._options import FlushOptions, check_seconds
 from ._report import FlushReport, FlushResult, collector_paused, never_sent
 from ._resolve import normalize_instance_ids, normalize_server_urls, resolve_bearer
-from ._threads import Workers
+from ._threads import Inbox, Workers
 from ._transport import CancelToken, Transport
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ class _Call(NamedTuple):
     rounds: dict[str, int]  # per server, the rounds started
     by_server: dict[str, list[_Track]]  # the tracks of each server
     waiting: dict[str, int]  # per server still going, the answers its round still waits for
-    answers: queue.SimpleQueue[str]  # this call's own: the server of each request answered (its callbacks put)
+    answers: Inbox[str]  # this call's own: the server of each request answered (its callbacks put)
     costs: _Costs  # seconds a result for an unsent pair, and a sent pair's report, are expected to take now
     made: list[float]  # [CPU seconds making results for unsent pairs, how many] once a pass stops early
 
@@ -214,7 +214,7 @@ class Flusher:
         costs = _Costs(slowdown * _measured.unsent if _measured.unsent else guess,
                        slowdown * _measured.report if _measured.report else guess)
         call = _Call(tracks, started, started + budget, repeat, workers or self._workers, workers is not None,
-                     dict.fromkeys(self._urls, 1), by_server, {}, queue.SimpleQueue(), costs, [0.0, 0])
+                     dict.fromkeys(self._urls, 1), by_server, {}, Inbox(), costs, [0.0, 0])
         if not call.tracks:
             return FlushReport(elapsed=time.monotonic() - started)
         # Each server's round is counted down by its answers: a server's next round never waits for
@@ -286,7 +286,7 @@ class Flusher:
         if not call.hook:  # the hooks gave every lingering request up already
             self._make_room(len(fresh))
         transport = self._transport_now()
-        room: queue.SimpleQueue[None] = queue.SimpleQueue()  # C-level: a Ctrl-C in a wait leaves no lock held
+        room: Inbox[None] = Inbox()  # C-level: a Ctrl-C in a wait leaves no lock held
         for _ in range(QUEUED_PER_WORKER * self._options.workers):
             room.put(None)
         sent, why = 0, "deadline passed"

@@ -13,7 +13,7 @@ kernel sends to the thread that caused them (SIGSEGV, SIGBUS, ...) stay unblocke
 A signal handler may flush at any instant, also while the thread it interrupted is inside a flush.
 So on the way from a caller to the threads that send, no lock is taken that the interrupted code
 may hold: ``Workers`` hands calls over through ``queue.SimpleQueue`` (its ``put`` is documented
-re-entrant) and counts idle threads with another, and a caller waits on a queue of its own.
+re-entrant) and counts idle threads with another, and a caller waits on an ``Inbox`` of its own.
 (``ThreadPoolExecutor.submit`` holds a plain ``Lock``; a handler's flush that re-entered it hung
 the trainer for ever.)
 """
@@ -25,9 +25,10 @@ import itertools
 import queue
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -60,6 +61,38 @@ def start_daemon_thread(target: Callable[..., Any], *, name: str, args: tuple[An
     with _signals_blocked():
         thread.start()
     return thread
+
+
+class Inbox(Generic[T]):
+    """A call's own queue: ``put`` from any thread, done-callback or signal handler (a ``SimpleQueue``'s,
+    re-entrant); ``get`` waits in the owning thread, and ends by its timeout whatever signals come.
+
+    The wait is a lock's (``Lock.acquire(timeout=...)``, rung by each ``put``), not
+    ``SimpleQueue.get(timeout=...)``: on CPython 3.10-3.12 that waits for ever once a signal handler
+    runs past its timeout (it takes the negative time left for "no timeout"); a signal every few ms
+    hung a waiting main thread within seconds. 3.13 fixed it; ``Lock.acquire`` always checked.
+    """
+
+    def __init__(self) -> None:
+        self._items: queue.SimpleQueue[T] = queue.SimpleQueue()
+        self._bell = threading.Lock()  # released ("rung") when an item may be waiting; a C-level lock
+        self._bell.acquire()
+
+    def put(self, item: T) -> None:
+        self._items.put(item)
+        with contextlib.suppress(RuntimeError):  # rung already: the owner looks at every item anyway
+            self._bell.release()
+
+    def get(self, timeout: float) -> T:
+        """The next item, waiting up to ``timeout`` seconds; ``queue.Empty`` when none came."""
+        give_up_at = time.monotonic() + timeout
+        while True:
+            try:
+                return self._items.get_nowait()
+            except queue.Empty:
+                left = give_up_at - time.monotonic()
+                if left <= 0 or not self._bell.acquire(timeout=left):
+                    return self._items.get_nowait()  # (one last look: queue.Empty when nothing came)
 
 
 class Workers:

@@ -20,7 +20,7 @@ import pytest
 from swe_flush_sync._proc import process_stopped
 from swe_flush_sync.testing import AgentServerStub
 
-from .conftest import PYTHON, SECRET, StartGuard, _watchdog_pids, wait_until
+from .conftest import PYTHON, SECRET, StartGuard, _watchdog_pids, subprocess_env, wait_until
 from .helpers import Trainer
 
 DEADLINE = 2.0
@@ -229,3 +229,44 @@ def test_a_stopped_guard_costs_no_step_more_than_its_deadline(stub: AgentServerS
     trainer.go_on()
     _, err = trainer.proc.communicate(timeout=30)
     assert trainer.proc.returncode == 0, err
+
+
+INBOX_STORM = """
+import os, queue, random, signal, threading, time
+from swe_flush_sync._threads import Inbox
+signal.signal(signal.SIGUSR1, lambda signum, frame: time.sleep(0.001))  # a handler that takes a moment
+stop = threading.Event()
+
+def storm():
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})  # delivered to the main thread, which waits
+    end = time.monotonic() + 2.0
+    while time.monotonic() < end:
+        time.sleep(random.uniform(0.001, 0.003))
+        os.kill(os.getpid(), signal.SIGUSR1)
+    stop.set()
+
+threading.Thread(target=storm, daemon=True).start()
+waits, late = 0, 0.0
+while not stop.is_set():
+    inbox = Inbox()
+    started = time.monotonic()
+    try:
+        inbox.get(timeout=0.02)
+    except queue.Empty:
+        pass
+    late = max(late, time.monotonic() - started - 0.02)
+    waits += 1
+print("WAITED", waits, round(late, 3), flush=True)
+"""
+
+
+def test_a_calls_wait_ends_by_its_timeout_whatever_signals_come() -> None:
+    """A flush waits for room and for answers in the calling thread, where signal handlers run. On CPython
+    3.10-3.12 ``SimpleQueue.get(timeout=...)`` waits for ever once a handler runs past its timeout: this
+    storm hung it within 2 s, 3 runs of 3 on 3.11, and the storm of ``Flusher.flush`` above 2 in 70. A call's
+    ``Inbox`` waits on a lock, whose timeout holds."""
+    out = subprocess.run([PYTHON, "-c", INBOX_STORM], capture_output=True, text=True, timeout=60,
+                         env=subprocess_env())
+    assert out.returncode == 0, out.stderr[-2000:]
+    _, waits, late = out.stdout.split()
+    assert int(waits) > 10 and float(late) < 1.0, out.stdout
