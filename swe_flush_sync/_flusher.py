@@ -52,7 +52,8 @@ Call = Callable[[], FlushResult]  # one request, bound to its pair and token
 # call does it (each new measurement weighing MEASURE_WEIGHT), which the size of a call and passing
 # stalls barely change, and scaled by how much longer than its CPU time this call's own set-up took:
 # the share of a core the trainer's other threads and the host leave the call now. Until a call has
-# measured them, each is FIRST_REPORT_FACTOR times what setting a pair up took, at most FIRST_REPORT_MAX.
+# measured them, each is FIRST_REPORT_FACTOR times what setting a pair up took, at most FIRST_REPORT_MAX,
+# and the report's is counted for every pair (a fresh process's first call also pays for what it imports).
 FIRST_REPORT_FACTOR: Final = 2.0
 FIRST_REPORT_MAX: Final = 5e-6  # a loaded 2-core host measured 3-5 µs (a first call's set-up, slowed by
 # the trainer's other threads, once guessed past a whole 5 s deadline at 100,000 ids)
@@ -82,6 +83,7 @@ class _Track:
 class _Costs(NamedTuple):
     unsent: float  # seconds a result for a pair left unsent takes to make (CPU seconds, in ``_measured``)
     report: float  # seconds a sent pair takes to report (one never sent is reported as it is made)
+    guessed: bool  # nothing measured yet: the report's guess is counted for every pair, sent or not
 
 
 class _Call(NamedTuple):
@@ -212,7 +214,7 @@ class Flusher:
         slowdown = max((time.monotonic() - setting_up) / set_up_cpu, 1.0)
         guess = min(FIRST_REPORT_FACTOR * slowdown * set_up_cpu / max(len(tracks), 1), FIRST_REPORT_MAX)
         costs = _Costs(slowdown * _measured.unsent if _measured.unsent else guess,
-                       slowdown * _measured.report if _measured.report else guess)
+                       slowdown * _measured.report if _measured.report else guess, not _measured.report)
         call = _Call(tracks, started, started + budget, repeat, workers or self._workers, workers is not None,
                      dict.fromkeys(self._urls, 1), by_server, {}, Inbox(), costs, [0.0, 0])
         if not call.tracks:
@@ -292,8 +294,8 @@ class Flusher:
         sent, why = 0, "deadline passed"
         for track in fresh:
             unsent = len(fresh) - sent
-            left = call.deadline_at - time.monotonic() - call.costs.report * (len(call.tracks) - unsent) \
-                - call.costs.unsent * unsent
+            reported = len(call.tracks) if call.costs.guessed else len(call.tracks) - unsent
+            left = call.deadline_at - time.monotonic() - call.costs.report * reported - call.costs.unsent * unsent
             if sent and left <= 0:
                 break
             try:
