@@ -28,7 +28,7 @@ from urllib3.exceptions import SSLError as Urllib3SSLError
 from ._tls import tls_failure
 
 if TYPE_CHECKING:
-    from ._transport import CancelToken
+    from ._cancel import CancelToken
 
 RETRY_STATUSES: Final = frozenset({429, 500, 502, 503, 504})
 UNREACHABLE: Final = "could not connect"  # how a failure to connect to the server's port begins

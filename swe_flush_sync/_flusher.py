@@ -32,13 +32,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from ._auth import check_token
+from ._cancel import CancelToken
 from ._errors import ConfigError, FlushError
 from ._logs import WORKER_THREAD_PREFIX, install_urllib3_filter, log_report
 from ._options import FlushOptions, check_seconds
 from ._report import FlushReport, FlushResult, collector_paused, never_sent
 from ._resolve import normalize_instance_ids, normalize_server_urls, resolve_bearer
 from ._threads import Inbox, Workers
-from ._transport import CancelToken, Transport
+from ._transport import Transport
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -207,9 +208,7 @@ class Flusher:
         setting_up, set_up_cpu = time.monotonic(), time.thread_time()
         tracks = {pair: _Track(pair) for pair in ((url, i) for i in ids for url in self._urls)}  # interleaved
         repeat = self._options.until_idle if until_idle is None else until_idle
-        by_server: dict[str, list[_Track]] = {url: [] for url in self._urls}
-        for track in tracks.values():
-            by_server[track.pair[0]].append(track)
+        by_server: dict[str, list[_Track]] = {url: [] for url in self._urls} | _by_server(list(tracks.values()))
         set_up_cpu = max(time.thread_time() - set_up_cpu, 1e-9)
         slowdown = max((time.monotonic() - setting_up) / set_up_cpu, 1.0)
         guess = min(FIRST_REPORT_FACTOR * slowdown * set_up_cpu / max(len(tracks), 1), FIRST_REPORT_MAX)

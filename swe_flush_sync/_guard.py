@@ -50,7 +50,7 @@ from ._record import DEFAULT_HEARTBEAT
 from ._resolve import normalize_instance_ids, normalize_server_urls
 from ._text import shown
 from ._trust import directory_problem
-from ._watch_loop import Channel, WatchLoop, io_error
+from ._watch_loop import Channel, WatchLoop, io_error, trainer_name
 from ._wire import LOCK_WORD, MAX_IDS, STATUS, BadLine, send_with_fd, write_all
 
 __all__ = ["DEFAULT_DRAIN", "DEFAULT_MAX_HELD", "TAKEOVER_GRACE", "Guard", "GuardError", "guard_status", "run_guard"]
@@ -176,6 +176,84 @@ class _RecordWriter:
         self._worker.drain(timeout)
 
 
+class _GuardLocks:
+    """The guard's lock folder: its own lock for life, each trainer's made and passed over the socket,
+    removed when the trainer settles (on a thread of its own), all touched every heartbeat."""
+
+    def __init__(self, path: str, say: Callable[[str], None], say_once: Callable[[str, str], None]) -> None:
+        self.folder = LockFolder(lock_folder_path(path))
+        self._say, self._say_once = say, say_once
+        self._life: tuple[int, LockFile] | None = None  # this guard's own lock while it lives (records name it)
+        self._io = _SerialWorker("swe-flush-guard-locks")
+
+    def open(self) -> None:
+        try:
+            self.folder.open()
+            self._life = self.folder.create("guard-")
+        except OSError as exc:  # without locks, trainers are judged by their connections and heartbeats
+            self.folder.close()
+            self._say(f"cannot keep lock files in {shown(self.folder.path)} ({exc.strerror or exc}): a trainer's "
+                      "death is the end of its connection, and a successor judges records by their pids and "
+                      "heartbeats")
+
+    def give(self, channel: Channel) -> None:
+        """A trainer's first state, held: make its lock file, pass it over the socket with ``lock`` and
+        close this guard's copy, so that the trainer's copy alone holds the lock (see _liveness)."""
+        if not (channel.state or {}).get("lock_fd") or self._life is None:
+            return
+        try:
+            try:
+                fd, lock = self.folder.create("trainer-")
+            except FileNotFoundError:  # the folder was removed (a cleaner, an operator): made again
+                self._reopen()
+                fd, lock = self.folder.create("trainer-")
+        except OSError as exc:
+            self._say_once("lock", f"cannot make a trainer's lock file in {shown(self.folder.path)} "
+                                   f"({exc.strerror or exc}): its death is the end of its connection")
+            return
+        try:
+            send_with_fd(channel.reply_fd, LOCK_WORD + b"\n", fd)
+        except OSError:  # the trainer reads nothing: it holds no lock, and is judged by its connection
+            self.folder.remove(lock)
+            return
+        finally:
+            os.close(fd)
+        channel.lock = lock
+
+    def _reopen(self) -> None:
+        """Make the lock folder again, with this guard's own lock (the old one proves nothing now)."""
+        self.folder.close()
+        self.folder.open()
+        fd, lock = self.folder.create("guard-")
+        old, self._life = self._life, (fd, lock)
+        if old is not None:
+            os.close(old[0])
+        self._say(f"the lock folder {shown(self.folder.path)} was removed; made again")
+
+    def named(self, channel: Channel) -> dict[str, LockFile | None]:
+        """What a record names to prove life: the trainer's lock and this guard's."""
+        return {"trainer_lock": channel.lock, "guard_lock": self._life[1] if self._life is not None else None}
+
+    def release(self, channel: Channel) -> None:
+        """The trainer settled: its lock file removed."""
+        lock, channel.lock = channel.lock, None
+        if lock is not None:
+            self._io.submit(functools.partial(self.folder.remove, lock))
+
+    def touch(self) -> None:
+        self._io.submit(self.folder.touch, key="touch")
+
+    def close(self) -> None:
+        """Release this guard's own lock; remove what is queued."""
+        if self._life is not None:
+            fd, lock = self._life
+            self._life = None
+            self.folder.remove(lock)
+            os.close(fd)
+        self._io.drain(1.0)
+        self.folder.close()
+
+
 class GuardStatus(NamedTuple):
     """What a guard answers to ``--status``."""
 
@@ -277,11 +355,6 @@ def _in_units(size: int) -> str:
     return f"{size / 1024:.1f} KiB" if size < 1 << 20 else f"{size / (1 << 20):.1f} MiB"
 
 
-def _named(state: dict[str, Any], peer_pid: int) -> str:
-    """A trainer as its own PID namespace sees it (the pid in its state), else as this guard's does."""
-    return f"pid {state.get('pid') or peer_pid}"
-
-
 def raise_nofile_limit() -> int:
     """Raise the soft ``RLIMIT_NOFILE`` to the hard limit (as systemd tells daemons to); the soft limit."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -312,13 +385,11 @@ class Guard:
         self._parser_process = ParserProcess()
         self._parsed: queue.SimpleQueue[tuple[Channel, dict[str, Any] | BadLine, int]] = queue.SimpleQueue()
         self._records = _RecordWriter(self.say) if ledger is not None else None
-        self.lock_folder = LockFolder(lock_folder_path(path))  # its trainers' lock files, and its own
-        self._life_lock: tuple[int, LockFile] | None = None  # this guard's own lock while it lives (records name it)
-        self._lock_io = _SerialWorker("swe-flush-guard-locks")  # lock files removed off the loop
         self._connected: collections.Counter[str] = collections.Counter()  # tokens of the trainers held now
         self._handed_over: set[Channel] = set()  # closed by this guard at the end of its drain: not dead
         self.budget = _HeldBudget(max_held)
         self._lines = _Lines(self.say)
+        self.locks = _GuardLocks(path, self.say, self._lines.say)
         self._stopping_since: float | None = None
         self._stop = threading.Event()
         self._wake_read, self._wake_write = os.pipe()
@@ -327,7 +398,7 @@ class Guard:
         self.socket = SocketPath(path, self.loop, self._accept, self.say, self._lines.say,
                                  _serving)
         self.metrics = GuardMetrics(self.trainers, lambda: len(self.deaths.retrying)) if metrics else None
-        self.deaths = DeathFlushes(flush_workers, connected=self._connected, lock_folder=self.lock_folder,
+        self.deaths = DeathFlushes(flush_workers, connected=self._connected, lock_folder=self.locks.folder,
                                    release=self._settled, say=self.say, say_once=self._lines.say,
                                    metrics=self.metrics)
         self._recovery = None if ledger is None else LedgerRecovery(
@@ -350,14 +421,7 @@ class Guard:
             self._parser_process.start()
         except OSError as exc:  # tried again with the first long line
             self.say(f"cannot start the parser process ({exc.strerror or exc}); tried again when a long line comes")
-        try:
-            self.lock_folder.open()
-            self._life_lock = self.lock_folder.create("guard-")
-        except OSError as exc:  # without locks, trainers are judged by their connections and heartbeats
-            self.lock_folder.close()
-            self.say(f"cannot keep lock files in {shown(self.lock_folder.path)} ({exc.strerror or exc}): a trainer's "
-                     "death is the end of its connection, and a successor judges records by a grace and their "
-                     "heartbeat")
+        self.locks.open()
         self.max_peers = max(raise_nofile_limit() - FD_RESERVE, 16)
         self.loop.watch(self._wake_read, self._woken)
 
@@ -387,9 +451,9 @@ class Guard:
         os.set_blocking(fd, False)
         peer = _Peer()
         channel = Channel(fd, fd, pid, trainer_uid=uid, strict=True, ledger=self.ledger, heartbeat=self.heartbeat,
-                          check=functools.partial(self._checked, pid=pid, peer=peer), status=self._status,
+                          check=functools.partial(self._checked, pid=pid, uid=uid, peer=peer), status=self._status,
                           ledger_io=self._records.submit if self._records is not None else None,
-                          locks=self._record_locks, armed=self._give_lock, offload=self._offload)
+                          locks=self.locks.named, armed=self.locks.give, offload=self._offload)
         self.budget.admit(channel, peer)
         self.loop.add(channel)
 
@@ -410,50 +474,10 @@ class Guard:
         with contextlib.suppress(OSError):
             os.write(self._wake_write, b"p")
 
-    def _give_lock(self, channel: Channel) -> None:
-        """A trainer's first state, held: make its lock file, pass it over the socket with ``lock`` and
-        close this guard's copy, so that the trainer's copy alone holds the lock (see _liveness)."""
-        if not (channel.state or {}).get("lock_fd") or self._life_lock is None:
-            return
-        try:
-            try:
-                fd, lock = self.lock_folder.create("trainer-")
-            except FileNotFoundError:  # the folder was removed (a cleaner, an operator): made again
-                self._reopen_lock_folder()
-                fd, lock = self.lock_folder.create("trainer-")
-        except OSError as exc:
-            self._lines.say("lock", f"cannot make a trainer's lock file in {shown(self.lock_folder.path)} "
-                                    f"({exc.strerror or exc}): its death is the end of its connection")
-            return
-        try:
-            send_with_fd(channel.reply_fd, LOCK_WORD + b"\n", fd)
-        except OSError:  # the trainer reads nothing: it holds no lock, and is judged by its connection
-            self.lock_folder.remove(lock)
-            return
-        finally:
-            os.close(fd)
-        channel.lock = lock
-
-    def _reopen_lock_folder(self) -> None:
-        """Make the lock folder again, with this guard's own lock (the old one proves nothing now)."""
-        self.lock_folder.close()
-        self.lock_folder.open()
-        fd, lock = self.lock_folder.create("guard-")
-        old, self._life_lock = self._life_lock, (fd, lock)
-        if old is not None:
-            os.close(old[0])
-        self.say(f"the lock folder {shown(self.lock_folder.path)} was removed; made again")
-
-    def _record_locks(self, channel: Channel) -> dict[str, LockFile | None]:
-        """What a record names to prove life: the trainer's lock and this guard's."""
-        return {"trainer_lock": channel.lock, "guard_lock": self._life_lock[1] if self._life_lock is not None else None}
-
     def _settled(self, channel: Channel) -> None:
         """A trainer settled (disarmed, flushed, dropped): its budget freed, its lock file removed."""
         self.budget.release(channel)
-        lock, channel.lock = channel.lock, None
-        if lock is not None:
-            self._lock_io.submit(functools.partial(self.lock_folder.remove, lock))
+        self.locks.release(channel)
 
     def say(self, line: str) -> None:
         """One line on stderr, written by the stderr thread (a stalled stderr holds only that thread)."""
@@ -474,7 +498,8 @@ class Guard:
                 return True
         return False
 
-    def _checked(self, state: dict[str, Any], first: bool, size: int, pid: int, peer: _Peer) -> dict[str, Any]:
+    def _checked(self, state: dict[str, Any], first: bool, size: int, pid: int, uid: int,
+                 peer: _Peer) -> dict[str, Any]:
         """A state as the guard holds it; past the budget a new or grown state is refused (the last one
         held stays held). A draining guard arms new trainers too (until a successor takes the path, the
         path is its): at the drain's end they are handed over with the others."""
@@ -484,8 +509,9 @@ class Guard:
             self._connected[state["trainer"]] += 1
         if dropped and not peer.said_options:  # once per connection, and once a minute over all of them
             peer.said_options = True
-            self._lines.say("unknown options", f"trainer {_named(state, pid)} sent options this guard does not "
-                                               f"know, dropped: {shown(', '.join(dropped))} (upgrade the guard)")
+            self._lines.say("unknown options", f"trainer {trainer_name(state, pid, uid)} sent options this guard "
+                                               f"does not know, dropped: {shown(', '.join(dropped))} (upgrade the "
+                                               "guard)")
         return state
 
     def _status(self) -> bytes:
@@ -543,13 +569,7 @@ class Guard:
     def close(self) -> None:
         """Give up the path; release this guard's own lock; write what is queued."""
         self.socket.give_up()
-        if self._life_lock is not None:
-            fd, lock = self._life_lock
-            self._life_lock = None
-            self.lock_folder.remove(lock)
-            os.close(fd)
-        self._lock_io.drain(1.0)
-        self.lock_folder.close()
+        self.locks.close()
         self._parser_process.close()
         self._lines.say_held_back()
         if self._records is not None:
@@ -560,6 +580,7 @@ class Guard:
         """Serve until ``stop()``; then drain. 0 when it ended on its own terms."""
         if self._recovery is not None:
             self._recovery.start()
+        touched_at = time.monotonic()
         try:
             while True:
                 timeout = PATH_CHECK if self.socket.paused_until is None else PAUSE
@@ -575,6 +596,9 @@ class Guard:
                 self.loop.run_once(timeout)
                 self.socket.resume()
                 self.socket.keep()
+                if time.monotonic() >= touched_at + self.heartbeat:
+                    touched_at = time.monotonic()
+                    self.locks.touch()
         finally:
             self.close()
 
@@ -588,7 +612,8 @@ class Guard:
         pids = ", ".join(channel.who for channel in held) or "none"
         lockless = len(held) - len(locked)
         self.say(f"drain time ({self.drain:g} s) is up; handed over trainers {pids} (they arm with the next guard)"
-                 + (f"; {lockless} of them hold no lock: a successor judges them by a grace" if lockless else "")
+                 + (f"; {lockless} of them hold no lock: a successor judges them by pid and heartbeat"
+                    if lockless else "")
                  + ("; flushes still running" if self.deaths.count() else ""))
 
 

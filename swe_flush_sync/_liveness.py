@@ -115,6 +115,16 @@ class LockFolder:
             if _inode(os.stat(name, dir_fd=self._fd, follow_symlinks=False)) == lock.inode:
                 os.unlink(name, dir_fd=self._fd)
 
+    def touch(self) -> None:
+        """Set the folder's and its files' times to now, so that an age-based cleaner leaves them; never raises."""
+        if self._fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.utime(self._fd)
+            for name in os.listdir(self._fd):
+                with contextlib.suppress(OSError):
+                    os.utime(name, dir_fd=self._fd, follow_symlinks=False)
+
     def close(self) -> None:
         if self._fd is not None:
             with contextlib.suppress(OSError):

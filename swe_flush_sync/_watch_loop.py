@@ -53,6 +53,12 @@ LedgerIO = Callable[["Channel", Callable[[], None]], None]
 """Runs one channel's record I/O (a write or a removal): a guard queues it on a writer thread."""
 
 
+def trainer_name(state: dict[str, Any], peer_pid: int, uid: int | None) -> str:
+    """A trainer for an operator: its pid as its own PID namespace sees it (sent in its state; the
+    peer's pid here is 0 across namespaces), and its uid when known."""
+    return f"pid {state.get('pid') or peer_pid}" + (f" (uid {uid})" if uid is not None else "")
+
+
 class Channel:
     """One trainer's control channel: the lines it sends, our word back, its ledger record.
 
@@ -103,10 +109,8 @@ class Channel:
 
     @property
     def who(self) -> str:
-        """The trainer for an operator: its pid as its own PID namespace sees it (sent in its state; the
-        peer's pid here is 0 across namespaces), and its uid when known."""
-        pid = (self.state or {}).get("pid") or self.trainer_pid
-        return f"pid {pid}" + (f" (uid {self.trainer_uid})" if self.trainer_uid is not None else "")
+        """The trainer for an operator (``trainer_name``)."""
+        return trainer_name(self.state or {}, self.trainer_pid, self.trainer_uid)
 
     def read(self) -> bool:
         """Take what can be read; False when the channel has ended (end-of-file, disarm, ``error``)."""
