@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import hashlib
 import logging
 import os
 import queue
@@ -342,6 +343,8 @@ def checked_state(state: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if isinstance(known.get("client_cert"), list):
         known["client_cert"] = tuple(known["client_cert"])
     FlushOptions(**known, linger=0.0)  # ConfigError (a ValueError) names the bad option
+    if trainer is not None:  # kept, and written in records, only as its digest: a peer that reads them
+        trainer = hashlib.sha256(trainer.encode()).hexdigest()  # learns nothing it could reconnect with
     return ({"urls": list(normalize_server_urls(urls, "urls")) if urls else [],
              "ids": list(normalize_instance_ids(ids)), "tokens": tokens, "options": known, "trainer": trainer,
              "pid": pid, "lock_fd": state.get("lock_fd") is True and trainer is not None},

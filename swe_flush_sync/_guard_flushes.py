@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import functools
 import os
+import select
 import threading
 import time
 from collections.abc import Callable
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
     from ._guard_metrics import GuardMetrics
 
 RECOVER_INTERVAL: Final = 2.0  # seconds between two recovers of the ledger's gone owners
+MAX_WATCHED_PIDS: Final = 64  # live trainers of records (not connected here) whose exit starts a recover at once
+STOP_CHECK: Final = 0.25  # seconds between two looks at ``stop`` while waiting for the next recover
 TAKEOVER_GRACE: Final = 5.0  # seconds a restarted guard waits for a predecessor's lockless trainers to reconnect
 LOCK_RECHECK_MAX: Final = 1.0  # seconds between two looks at the lock of a trainer whose connection ended
 RETRY_FIRST: Final = 1.0  # seconds before the first retry of a failed flush; doubled up to RETRY_MAX
@@ -185,7 +188,9 @@ def _failed_pairs(report: FlushReport) -> dict[str, tuple[str, ...]]:
 
 class LedgerRecovery:
     """Recovers the ledger's records whose owners are gone, on a daemon thread, until ``stop`` is set:
-    at once (a dead trainer's free lock says so), then every ``RECOVER_INTERVAL``; a predecessor's
+    at once (a dead trainer's free lock says so), then every ``RECOVER_INTERVAL``, and at once when a
+    live trainer of a record that no connection watches exits (up to ``MAX_WATCHED_PIDS`` of them,
+    each held by a pidfd: the kernel's word, never a pid that could be reused); a predecessor's
     lockless records only after ``grace`` seconds (its trainers may reconnect meanwhile)."""
 
     def __init__(self, ledger: str, *, grace: float, connected: collections.Counter[str],
@@ -196,6 +201,7 @@ class LedgerRecovery:
         self._owns = owns
         self._say, self._say_once, self._metrics = say, say_once, metrics
         self._started = time.monotonic()
+        self._watched: dict[tuple[int, int], int] = {}  # (pid, start time) -> a pidfd of a record's live trainer
 
     def start(self) -> None:
         threading.Thread(target=self._run, name="swe-flush-guard-recover", daemon=True).start()
@@ -221,7 +227,37 @@ class LedgerRecovery:
                     self._say(f"cannot recover the ledger: {exc}; guarding goes on")
             except Exception as exc:  # noqa: BLE001 - a recover that fails must not stop the guard
                 self._say_once("recover failed", f"recovering the ledger failed: {type(exc).__name__}")
-            self._stop.wait(RECOVER_INTERVAL)
+            self._wait_for_an_exit()
+
+    def _wait_for_an_exit(self) -> None:
+        """Until the next pass is due, a watched trainer exits, or ``stop``; the pidfds are closed after."""
+        poller = select.poll()
+        for fd in self._watched.values():
+            poller.register(fd, select.POLLIN)
+        due = time.monotonic() + RECOVER_INTERVAL
+        try:
+            while not self._stop.is_set() and (left := due - time.monotonic()) > 0:
+                if poller.poll(1000 * min(left, STOP_CHECK)):
+                    return
+        finally:
+            for fd in self._watched.values():
+                os.close(fd)
+            self._watched.clear()
+
+    def _watch(self, record: Record) -> None:
+        """Hold a pidfd of the record's trainer while it is the live process the record names, here."""
+        key = (record.pid, record.start_time or 0)
+        if (key in self._watched or len(self._watched) >= MAX_WATCHED_PIDS or record.start_time is None
+                or record.place != Place.here()):
+            return
+        try:
+            fd = os.pidfd_open(record.pid)
+        except (OSError, AttributeError):  # gone already, or no pidfd (Linux < 5.3): the next pass
+            return
+        if process_start_time(record.pid) != record.start_time:  # checked once the pidfd holds it: not reused
+            os.close(fd)
+            return
+        self._watched[key] = fd
 
     def _said_recovered(self, records: int, report: FlushReport) -> None:
         """A recover pass that claimed records: a line like a trainer's death, and the flush metrics."""
@@ -239,6 +275,7 @@ class LedgerRecovery:
             return False  # guarded by its connection, or its flush is this guard's own (retried with backoff)
         if gone:
             return True
+        self._watch(record)
         guard_lock, trainer_lock = record.locks()
         if trainer_lock is not None:  # held (alive), or proving nothing: its pids and heartbeat decided ``gone``
             return False

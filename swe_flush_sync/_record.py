@@ -26,7 +26,7 @@ from ._wire import MAX_STATE_BYTES
 
 RECORD_VERSION: Final = 1
 RECORD_SUFFIX: Final = ".json"
-GUARD_RECORD_PREFIX: Final = "trainer-"  # a guard's record: trainer-<TOKEN>.json, one per trainer
+GUARD_RECORD_PREFIX: Final = "trainer-"  # a guard's record: trainer-<the token's digest>.json, one per trainer
 DEFAULT_HEARTBEAT: Final = 10.0  # seconds between two heartbeats of a record
 STALE_HEARTBEATS: Final = 3  # an owner elsewhere is gone when its heartbeat is older than this many intervals
 
@@ -55,7 +55,7 @@ class Record:
     watchdog_start_time: int | None
     heartbeat: float
     heartbeat_interval: float
-    trainer: str | None = None  # the trainer's token (a guard's record), None for a watchdog's
+    trainer: str | None = None  # the trainer's token's digest (a guard's record), None for a watchdog's
     gone: bool = False  # its keeper saw the trainer die and has not flushed it yet
     trainer_lock: str | None = None  # a guard's record: the trainer's lock file (held while it lives)
     trainer_lock_inode: str | None = None  # ... and its inode (DEV:INO): another file there proves nothing
@@ -201,7 +201,8 @@ def _inode(lock: LockFile | None) -> str | None:
 class RecordKeeper:
     """One trainer's record in a ledger folder, kept by its watchdog or guard: ``update`` takes a
     state, ``write`` and ``remove`` do the file I/O. A guard's record is named by the trainer's
-    ``token``; a watchdog's by the trainer's host, pid and start time, and its own pid."""
+    ``token`` (its digest: see ``checked_state``); a watchdog's by the trainer's host, pid and start
+    time, and its own pid."""
 
     def __init__(self, folder: str, trainer_pid: int, heartbeat: float, token: str | None = None,
                  locks: Mapping[str, LockFile | None] | None = None) -> None:

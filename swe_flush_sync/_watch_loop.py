@@ -103,7 +103,8 @@ class Channel:
 
     @property
     def token(self) -> str | None:
-        """The trainer's token (protocol 2), None before its first state or from an older trainer."""
+        """The trainer's token as its check keeps it (a guard: its digest), None before its first state or
+        from an older trainer."""
         token = (self.state or {}).get("trainer")
         return token if isinstance(token, str) else None
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import array
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -140,11 +141,50 @@ def test_a_frozen_trainer_whose_lock_files_went_is_not_flushed_across_a_restart(
         os.kill(trainer.proc.pid, signal.SIGCONT)
     trainer.proc.kill()
     died = trainer.death()
-    # A dead trainer's record is found by the next recovery pass (every 2 s).
-    assert _first_request_after(stub, "frozen-a", died) < 2.0 + 1.0
+    # Its exit wakes the successor's recovery (a pidfd), well before the next pass (every 2 s).
+    assert _first_request_after(stub, "frozen-a", died) < 1.0
     assert wait_until(lambda: sorted(stub.flushed_ids()) == ["frozen-a", "frozen-b"], 5.0)
     second.kill()
     second.wait(10)
+
+
+def test_a_same_uid_peer_cannot_take_another_trainers_place(stub: AgentServerStub, short_dir: Path) -> None:
+    """1.1 named records and lock files by the trainer's token: a same-uid peer that read a name connected with
+    it, and the victim's death was never flushed (3/3). The guard keeps and writes only the token's digest."""
+    ledger, path = short_dir / "ledger", str(short_dir / "guard.sock")
+    guard = _guard(path, ledger, stub)
+    try:
+        victim = Trainer(stub, LONG_STEP.format(name="victim", path=path))
+        victim.read("ARMED")
+        assert wait_until(lambda: len(records(ledger)) == 1, 5.0)
+        seen = " ".join([*os.listdir(short_dir), *os.listdir(path + ".locks"),
+                         *(f"{record.name} {record.read_text()}" for record in records(ledger))])
+        candidates = {text[start:start + 32] for text in re.findall(r"[0-9a-f]{32,}", seen)
+                      for start in range(0, len(text) - 31, 32)}
+        assert candidates  # what the peer could read, cut to the token's length
+        borrowers = []
+        for token in sorted(candidates):
+            peer = connect(path)
+            peer.sendall(state_line(a_state(urls=[stub.url], ids=["borrower"], trainer=token, lock_fd=True)))
+            said, fds = _receive_lock(peer)
+            assert said.startswith(b"lock\nheld"), said
+            borrowers.append((peer, fds))
+        assert wait_until(lambda: len(records(ledger)) == 1 + len(borrowers), 5.0)
+        kept = [json.loads(record.read_text())["ids"] for record in records(ledger)]
+        assert ["victim-a", "victim-b"] in kept
+        victim.proc.kill()
+        died = victim.death()
+        assert _first_request_after(stub, "victim-a", died) < 1.0
+        assert wait_until(lambda: {"victim-a", "victim-b"} <= set(stub.flushed_ids()), 5.0)
+        assert "borrower" not in stub.flushed_ids()
+        for peer, fds in borrowers:
+            peer.sendall(b'{"disarm": true}\n')
+            for fd in fds:
+                os.close(fd)
+            peer.close()
+    finally:
+        guard.kill()
+        guard.wait(10)
 
 
 def _receive_lock(peer: socket.socket) -> tuple[bytes, list[int]]:
@@ -191,6 +231,23 @@ def test_lock_files_and_records_do_not_pile_up(start_guard: StartGuard, short_di
     assert guard.proc.wait(10) == 0
     assert os.listdir(locks) == []
     assert json.dumps(sorted(os.listdir(short_dir / "run"))) == '["guard.sock.lock", "guard.sock.locks"]'
+
+
+def test_the_guard_touches_its_lock_files_every_heartbeat(start_guard: StartGuard) -> None:
+    """An age-based cleaner (``systemd-tmpfiles``' age) never finds the lock files of a long-lived guard old."""
+    guard = start_guard("--heartbeat", "0.5")
+    locks = Path(guard.socket + ".locks")
+    with connect(guard.socket) as peer:
+        peer.sendall(state_line(a_state(urls=["http://127.0.0.1:9"], ids=["kept"], trainer="a" * 32, lock_fd=True)))
+        said, fds = _receive_lock(peer)
+        assert said.startswith(b"lock\nheld") and len(fds) == 1, said
+        names = [locks / name for name in os.listdir(locks)]
+        assert len(names) == 2  # the trainer's and the guard's own
+        for path in [locks, *names]:
+            os.utime(path, (0, 0))  # as old as a cleaner could wish
+        assert wait_until(lambda: all(path.stat().st_mtime > time.time() - 60 for path in [locks, *names]), 10.0)
+        peer.sendall(b'{"disarm": true}\n')
+        os.close(fds[0])
 
 
 def test_a_server_that_refused_through_a_death_is_flushed_within_a_second_of_its_return(short_dir: Path,
