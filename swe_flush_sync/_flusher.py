@@ -38,7 +38,7 @@ from ._logs import WORKER_THREAD_PREFIX, install_urllib3_filter, log_report
 from ._options import FlushOptions, check_seconds
 from ._report import FlushReport, FlushResult, collector_paused, never_sent
 from ._resolve import normalize_instance_ids, normalize_server_urls, resolve_bearer
-from ._threads import Inbox, Workers
+from ._threads import Inbox, Runner, Workers
 from ._transport import Transport
 
 if TYPE_CHECKING:
@@ -94,7 +94,7 @@ class _Call(NamedTuple):
     started: float
     deadline_at: float
     until_idle: bool
-    workers: Workers
+    workers: Runner
     hook: bool  # a signal or exit hook's call: nothing lingering is given up for room
     rounds: dict[str, int]  # per server, the rounds started
     by_server: dict[str, list[_Track]]  # the tracks of each server
@@ -200,7 +200,7 @@ class Flusher:
         return report
 
     def _flush_ids(self, ids: tuple[str, ...], budget: float, *, until_idle: bool | None = None,
-                   workers: Workers | None = None, started: float | None = None) -> FlushReport:
+                   workers: Runner | None = None, started: float | None = None) -> FlushReport:
         """``flush`` of validated ids, without logging, ``budget`` seconds from ``started`` (default: now);
         ``workers`` (the signal and exit hooks' threads) run the requests instead of the Flusher's own,
         and nothing lingering is given up for room."""
@@ -319,7 +319,8 @@ class Flusher:
                 room.put(None)
                 continue
             mine.future.add_done_callback(lambda _: room.put(None))
-            if not call.workers.run(mine.future, functools.partial(transport.post, *track.pair, authorization, token)):
+            post = functools.partial(transport.post, *track.pair, authorization, token)
+            if not call.workers.run(mine.future, post, track.pair[0]):
                 token.cancel("the Flusher was closed")  # (closed meanwhile by another thread)
         if sent < len(fresh):  # stopped: what still waits for a worker is never sent
             for track in fresh[:sent]:  # (first, so that the workers go quiet before the bookkeeping below)

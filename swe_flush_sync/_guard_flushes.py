@@ -4,8 +4,10 @@ A dead trainer's flush runs on one of a fixed number of flush workers (``WorkPoo
 liveness lock is free, and is retried with backoff (retries wait on one heap of due times, not
 on threads) until every pair is flushed, the record is no longer the guard's own (a ``recover``
 claimed it) or ``RETRY_GIVE_UP`` passes. Every request goes out on the guard's shared HTTP
-workers, at most ``HTTP_WORKERS`` at once. With a ledger, a thread recovers the records whose
-owners are gone, judged by their locks, and a predecessor's lockless ones after a grace.
+workers, at most ``HTTP_WORKERS`` at once. Both are fair by server (``_guard_pool``): a server
+that never answers holds a quarter of each, and the deaths and requests of the others go around
+it. With a ledger, a thread recovers the records whose owners are gone, judged by their locks,
+and a predecessor's lockless ones after a grace.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING, Final, NamedTuple
 
 from ._errors import ConfigError
 from ._failures import unreachable
-from ._guard_pool import WorkPool
+from ._guard_pool import KeyedWorkers, WorkPool
 from ._ledger import recover_with
 from ._liveness import LockFolder, is_held
 from ._options import FlushOptions
@@ -29,7 +31,6 @@ from ._proc import Place, process_start_time
 from ._record import Record
 from ._report import FlushReport
 from ._resolve import URL_ENV_VARS, resolve_server_urls
-from ._threads import Workers
 from ._watch_loop import Channel
 
 if TYPE_CHECKING:
@@ -75,7 +76,7 @@ class DeathFlushes:
                  say: Callable[[str], None], say_once: Callable[[str, str], None],
                  metrics: GuardMetrics | None) -> None:
         self.pool = WorkPool("swe-flush-guard-flush", workers, say)
-        self.http = Workers("swe-flush-guard-http", HTTP_WORKERS)  # every flush's requests, shared
+        self.http = KeyedWorkers("swe-flush-guard-http", HTTP_WORKERS, say)  # every flush's requests, by server
         self._connected = connected
         self._lock_folder = lock_folder
         self._release = release
@@ -95,7 +96,8 @@ class DeathFlushes:
             self._flushing.add(channel)
             if channel.token is not None:
                 self._owned[channel.token] += 1
-        self.pool.submit(functools.partial(self._flush_once_gone, channel, time.monotonic(), 0.01))
+        self.pool.submit(functools.partial(self._flush_once_gone, channel, time.monotonic(), 0.01),
+                         key=_servers(channel, None))
 
     def owns(self, token: str) -> bool:
         """Is the flush of the trainer with ``token`` this guard's now (run, queued or to be retried)?
@@ -113,7 +115,7 @@ class DeathFlushes:
             return
         if lock is not None and self._lock_folder.held(lock):
             self.pool.submit(functools.partial(self._flush_once_gone, channel, ended,
-                                               min(recheck * 2, LOCK_RECHECK_MAX)), recheck)
+                                               min(recheck * 2, LOCK_RECHECK_MAX)), recheck, _servers(channel, None))
             return
         self._flush(channel, _Retrying(None, ended, 1, RETRY_FIRST))
 
@@ -163,7 +165,8 @@ class DeathFlushes:
                                    f"{RETRY_MAX:g} s, {RETRY_UNREACHABLE:g} s while refused, {RETRY_REFUSED:g} s "
                                    "after 401/403) until it is flushed")
         self.pool.submit(functools.partial(self._flush, channel, retry._replace(
-            attempt=retry.attempt + 1, delay=retry.delay if away else min(retry.delay * 2, RETRY_MAX))), delay)
+            attempt=retry.attempt + 1, delay=retry.delay if away else min(retry.delay * 2, RETRY_MAX))), delay,
+            _servers(channel, retry.pairs))
 
     def _done(self, channel: Channel) -> None:
         self.retrying.discard(channel)
@@ -175,6 +178,11 @@ class DeathFlushes:
                     if self._owned[channel.token] <= 0:
                         del self._owned[channel.token]
         self._release(channel)
+
+
+def _servers(channel: Channel, pairs: dict[str, tuple[str, ...]] | None) -> tuple[str, ...]:
+    """The servers a dead trainer's flush (``pairs``, None: all) goes to: its key in the flush workers."""
+    return tuple(pairs) if pairs is not None else tuple((channel.state or {}).get("urls") or ())
 
 
 def _failed_pairs(report: FlushReport) -> dict[str, tuple[str, ...]]:
@@ -195,7 +203,7 @@ class LedgerRecovery:
 
     def __init__(self, ledger: str, *, grace: float, connected: collections.Counter[str],
                  owns: Callable[[str], bool], stop: threading.Event,
-                 http: Workers, say: Callable[[str], None],
+                 http: KeyedWorkers, say: Callable[[str], None],
                  say_once: Callable[[str, str], None], metrics: GuardMetrics | None) -> None:
         self._ledger, self._grace, self._connected, self._stop, self._http = ledger, grace, connected, stop, http
         self._owns = owns

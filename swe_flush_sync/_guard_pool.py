@@ -1,41 +1,80 @@
-"""The guard's bounded work: a fixed number of worker threads over a queue of fresh jobs and one
-heap of due times.
+"""The guard's bounded, fair work: a fixed number of worker threads over queues kept per key (an
+agent server), and one heap of due times.
 
-A dead trainer's flush is a fresh job; its retry is the same kind of job, due later. Fresh jobs go
-first, in order, then retries as they fall due: a crowd of retrying flushes never delays the
-flush of a trainer that has just died. The guard's thread count is fixed at start-up whatever
-number of trainers die, retry or misbehave, and a waiting retry costs a heap entry, not a
-sleeping thread. A worker that cannot be started (a pids limit) is tried again when work comes,
-at most once a second; until one runs, the work waits.
+A dead trainer's flush, and each of its requests, is a job keyed by its server(s). Fresh jobs go
+first, taken from the keys in turn, then retries as they fall due, in turn too: a crowd of
+retrying flushes never delays the flush of a trainer that has just died, and the deaths of one
+server never queue ahead of another's. No key runs more than ``share`` jobs at once, so a server
+that never answers holds only its own share of the workers, and every other server finds one
+free. The thread count is fixed at start-up whatever number of trainers die, retry or misbehave;
+a waiting retry costs a heap entry, not a sleeping thread. A worker that cannot be started (a
+pids limit) is tried again when work comes, at most once a second; until one runs, the work waits.
+``KeyedWorkers`` puts a Flusher's requests on such a pool (``Runner``, keyed by their server).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import heapq
 import itertools
 import threading
 import time
-from collections.abc import Callable
-from typing import Final
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future
+from typing import Final, TypeVar
 
 from ._threads import start_daemon_thread
 
+T = TypeVar("T")
+
 DEFAULT_FLUSH_WORKERS: Final = 16  # trainers flushed at once by a guard (their requests share its HTTP workers)
+SHARE_OF_WORKERS: Final = 4  # a key runs at most 1/4 of a pool's workers at once: three servers that never
+# answer leave a fourth its share
 START_RETRY: Final = 1.0  # seconds between two attempts to start a worker that failed to start
+
+Job = Callable[[], None]
+
+
+class _Queues:
+    """Jobs waiting, a queue per key, taken from the keys in turn."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[Hashable, collections.deque[Job]] = {}  # only keys with jobs; in turn order
+
+    def __len__(self) -> int:
+        return sum(map(len, self.jobs.values()))
+
+    def put(self, key: Hashable, job: Job) -> None:
+        self.jobs.setdefault(key, collections.deque()).append(job)
+
+    def take(self, may_run: Callable[[Hashable], bool]) -> tuple[Hashable, Job] | None:
+        """The next job of the first key in turn that ``may_run``; that key's turn then goes last."""
+        for key, jobs in self.jobs.items():
+            if may_run(key):
+                job = jobs.popleft()
+                del self.jobs[key]
+                if jobs:
+                    self.jobs[key] = jobs  # (a dict keeps insertion order: back of the turn)
+                return key, job
+        return None
 
 
 class WorkPool:
-    """``workers`` daemon threads running fresh jobs first, then delayed ones as they fall due."""
+    """``workers`` daemon threads running fresh jobs first, then delayed ones as they fall due; each
+    taken from the keys in turn, at most ``workers // SHARE_OF_WORKERS`` (at least 1) of a key at once."""
 
     def __init__(self, name: str, workers: int, on_start_failure: Callable[[str], None]) -> None:
         self._name = name
         self._wanted = workers
+        self.share = max(workers // SHARE_OF_WORKERS, 1)
         self._running = 0
-        self._fresh: collections.deque[Callable[[], None]] = collections.deque()
-        self._later: list[tuple[float, int, Callable[[], None]]] = []
+        self._fresh = _Queues()
+        self._due = _Queues()  # retries fallen due
+        self._later: list[tuple[float, int, Hashable, Job]] = []
         self._order = itertools.count()  # equal due times run in submission order; jobs are never compared
+        self._busy: collections.Counter[Hashable] = collections.Counter()  # jobs running, per key
         self._changed = threading.Condition()
         self._on_start_failure = on_start_failure
         self._start_failed_at: float | None = None
@@ -51,16 +90,16 @@ class WorkPool:
     def __len__(self) -> int:
         """Jobs waiting, due or not."""
         with self._changed:
-            return len(self._fresh) + len(self._later)
+            return len(self._fresh) + len(self._due) + len(self._later)
 
-    def submit(self, job: Callable[[], None], delay: float = 0.0) -> None:
-        """Run ``job`` on a worker: now (after the fresh jobs before it), or ``delay`` seconds from now.
-        Never raises, never starts more than ``workers`` threads."""
+    def submit(self, job: Job, delay: float = 0.0, key: Hashable = None) -> None:
+        """Run ``job`` on a worker: now (after the fresh jobs of ``key`` before it), or ``delay`` seconds
+        from now. Never raises, never starts more than ``workers`` threads."""
         with self._changed:
             if delay > 0:
-                heapq.heappush(self._later, (time.monotonic() + delay, next(self._order), job))
+                heapq.heappush(self._later, (time.monotonic() + delay, next(self._order), key, job))
             else:
-                self._fresh.append(job)
+                self._fresh.put(key, job)
             self._changed.notify()
             if self._running < self._wanted:
                 self._start_workers()
@@ -83,18 +122,49 @@ class WorkPool:
             self._running += 1
         self._start_failed_at = None
 
-    def _next(self) -> Callable[[], None]:
+    def _may_run(self, key: Hashable) -> bool:
+        return self._busy[key] < self.share
+
+    def _next(self) -> tuple[Hashable, Job]:
         with self._changed:
             while True:
-                if self._fresh:
-                    return self._fresh.popleft()
-                wait = None if not self._later else self._later[0][0] - time.monotonic()
-                if wait is not None and wait <= 0:
-                    return heapq.heappop(self._later)[2]
-                self._changed.wait(wait)
+                now = time.monotonic()
+                while self._later and self._later[0][0] <= now:
+                    _, _, key, job = heapq.heappop(self._later)
+                    self._due.put(key, job)
+                taken = self._fresh.take(self._may_run) or self._due.take(self._may_run)
+                if taken is not None:
+                    self._busy[taken[0]] += 1
+                    return taken
+                self._changed.wait(self._later[0][0] - now if self._later else None)  # or a key's job ends
 
     def _serve(self) -> None:
         while True:
-            job = self._next()
+            key, job = self._next()
             with contextlib.suppress(Exception):  # a job says its own failures; the worker must go on
                 job()
+            del job
+            with self._changed:
+                self._busy[key] -= 1
+                if not self._busy[key]:
+                    del self._busy[key]
+                self._changed.notify()
+
+
+class KeyedWorkers:
+    """A ``Runner`` (see ``_threads``) over a ``WorkPool``: a Flusher's requests, queued by their server."""
+
+    def __init__(self, name: str, workers: int, on_start_failure: Callable[[str], None]) -> None:
+        self.pool = WorkPool(name, workers, on_start_failure)
+
+    def run(self, future: Future[T], call: Callable[[], T], key: Hashable = None) -> bool:
+        self.pool.submit(functools.partial(_run_into, future, call), key=key)
+        return True
+
+
+def _run_into(future: Future[T], call: Callable[[], T]) -> None:
+    if future.set_running_or_notify_cancel():  # a request given up before a worker took it never runs
+        try:
+            future.set_result(call())
+        except BaseException as exc:  # noqa: BLE001 - a bug: carried to the caller, as an executor does
+            future.set_exception(exc)

@@ -35,7 +35,7 @@ from ._resolve import (
     resolve_server_urls,
 )
 from ._text import shown
-from ._threads import Workers, block_signals
+from ._threads import Runner, block_signals
 from ._trust import directory_problem
 
 if TYPE_CHECKING:
@@ -239,7 +239,7 @@ def recover(ledger: str, *, servers: str | Iterable[str] | None = None, environ:
 def recover_with(ledger: str, servers: str | Iterable[str] | None, environ: Mapping[str, str] | None,
                  flush_options: FlushOptions, judge: Judge | None = None,
                  on_claimed: Callable[[int], None] | None = None, quiet: bool = False,
-                 workers: Workers | None = None) -> FlushReport:
+                 workers: Runner | None = None) -> FlushReport:
     """``recover`` with built options and a guard's hooks: ``judge`` of which records are gone,
     ``on_claimed`` told how many were flushed and settled, ``quiet`` (no log) and ``workers``."""
     report = _recover(ledger, servers, environ, flush_options, judge, on_claimed, workers)
@@ -250,7 +250,7 @@ def recover_with(ledger: str, servers: str | Iterable[str] | None, environ: Mapp
 
 def _recover(ledger: str, servers: str | Iterable[str] | None, environ: Mapping[str, str] | None,
              flush_options: FlushOptions, judge: Judge | None,
-             on_claimed: Callable[[int], None] | None, workers: Workers | None) -> FlushReport:
+             on_claimed: Callable[[int], None] | None, workers: Runner | None) -> FlushReport:
     if not isinstance(ledger, str) or not ledger.strip() or "\0" in ledger:
         raise ConfigError("ledger must be a directory path (a non-empty str)")
     env = os.environ if environ is None else environ
@@ -288,7 +288,7 @@ def _recover(ledger: str, servers: str | Iterable[str] | None, environ: Mapping[
 
 
 def flush_groups(groups: Mapping[tuple[str, ...], Iterable[str]], options: FlushOptions,
-                 workers: Workers | None = None) -> FlushReport:
+                 workers: Runner | None = None) -> FlushReport:
     """Flush each set of servers' ids, logging nothing: every set at once on threads of its own, or
     one after another on ``workers`` (a guard's shared HTTP workers)."""
     started = time.monotonic()

@@ -26,9 +26,9 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from concurrent.futures import Future
-from typing import Any, Final, Generic, TypeVar
+from typing import Any, Final, Generic, Protocol, TypeVar
 
 T = TypeVar("T")
 
@@ -95,6 +95,13 @@ class Inbox(Generic[T]):
                     return self._items.get_nowait()  # (one last look: queue.Empty when nothing came)
 
 
+class Runner(Protocol):
+    """What runs a flush's requests: ``run`` puts ``call`` on a thread and its outcome in ``future``
+    (False, ``future`` cancelled, when it cannot any more); ``key`` names the call's agent server."""
+
+    def run(self, future: Future[T], call: Callable[[], T], key: Hashable = None) -> bool: ...
+
+
 class Workers:
     """Daemon threads that run calls handed to them: the one way a flush's requests reach a thread.
 
@@ -125,8 +132,9 @@ class Workers:
         """The threads started (and starting) since the last ``let_go``."""
         return self._limit - self._slots.qsize()
 
-    def run(self, future: Future[T], call: Callable[[], T]) -> bool:
-        """Run ``call`` into ``future`` on a thread; False (``future`` cancelled) once stopped."""
+    def run(self, future: Future[T], call: Callable[[], T], key: Hashable = None) -> bool:
+        """Run ``call`` into ``future`` on a thread, in turn (``key`` changes nothing here); False
+        (``future`` cancelled) once stopped."""
         if self._stopped:
             future.cancel()
             return False

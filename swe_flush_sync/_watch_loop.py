@@ -35,7 +35,7 @@ from ._wire import (
 if TYPE_CHECKING:
     from swe_flush_sync import FlushReport
 
-    from ._threads import Workers
+    from ._threads import Runner
 
 SAY_TIMEOUT: Final = 0.5  # seconds a line to the inherited stderr may take (a reader that stopped reading)
 
@@ -258,7 +258,7 @@ class Channel:
                 say(f"swe-flush watchdog for pid {self.trainer_pid}: cannot write the ledger record: {error}")
 
     def flush(self, pairs: Mapping[str, tuple[str, ...]] | None = None, *, max_workers: int | None = None,
-              retries: int | None = None, workers: Workers | None = None) -> FlushReport | None:
+              retries: int | None = None, workers: Runner | None = None) -> FlushReport | None:
         """Flush the last state's pairs (or ``pairs``: server -> ids) without logging; None when there
         were none. ``max_workers`` caps the requests in flight, ``retries`` replaces the trainer's,
         ``workers`` send them (a guard's shared HTTP workers)."""
