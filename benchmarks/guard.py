@@ -12,7 +12,9 @@ per-line bound (32 MiB) at once, and 1,100 idle connections to a guard whose des
 1,024; in each, one trainer is SIGKILLed in the middle of it (the time to its first flush
 request), and the guard's peak RSS and CPU are read from /proc. Then the bounded parts: death to
 first flush request beside 50 peers sending garbage, the guard's threads after 200 deaths whose
-flushes retry, and its memory while 8 states of 28 MiB arrive. Writes ``benchmarks/guard.md``.
+flushes retry, and its memory while 8 states of 28 MiB arrive. Last, fairness by server: a healthy
+server's death to its first flush after 200 deaths on a black-holed server, and after two large
+deaths on a slow one. Writes ``benchmarks/guard.md``.
 """
 
 from __future__ import annotations
@@ -212,6 +214,58 @@ def _bounded(stub: AgentServerStub, folder: str) -> dict[str, str]:
     return rows
 
 
+def _black_hole() -> tuple[socket.socket, str, list[socket.socket]]:
+    """A server that accepts TCP and never answers: its listener, URL, and the connections it holds."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=1024)
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(listener.accept()[0])
+
+    threading.Thread(target=accept, daemon=True).start()
+    return listener, f"http://127.0.0.1:{listener.getsockname()[1]}", held
+
+
+def _fair(folder: str) -> dict[str, float]:
+    """Issue 54's rows, each against a fresh guard: ms from a healthy server's trainer's death to its
+    first /flush, after 200 deaths on a black-holed server, and after two 500-id deaths on a server
+    taking 3 s per /flush."""
+    rows: dict[str, float] = {}
+    for kind in ("black-holed", "slow"):
+        path = os.path.join(folder, f"fair-{kind}.sock")
+        guard = subprocess.Popen([sys.executable, "-m", "swe_flush_sync", "guard", "--socket", path],
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        listener, hole_url, held = _black_hole()
+        try:
+            assert guard.stdout is not None and guard.stdout.readline().startswith("guarding ")
+            with AgentServerStub(teardown=3.0) as slow, AgentServerStub() as healthy:
+                if kind == "black-holed":
+                    for number in range(200):
+                        _held(path, _peer_state([hole_url], [f"dead-{number}"], number)).close()
+                    while len(held) < 4:  # its flushes hold their share of the guard
+                        time.sleep(0.01)
+                else:
+                    for number in range(2):
+                        _held(path, _peer_state([slow.url], [f"s{number}-{i}" for i in range(500)], number)).close()
+                    while len(slow.requests) < 2:
+                        time.sleep(0.01)
+                killed = time.monotonic()
+                _held(path, _peer_state([healthy.url], ["healthy"], 999)).close()
+                end = time.monotonic() + 60
+                while not healthy.requests and time.monotonic() < end:
+                    time.sleep(0.001)
+                rows[kind] = (healthy.requests[0].at - killed) * 1000 if healthy.requests else float("nan")
+        finally:
+            guard.kill()
+            guard.wait()
+            listener.close()
+            for conn in held:
+                conn.close()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.guard", description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=5, help="trainer processes killed one after another (max 10)")
@@ -258,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(0.5)  # the 0.2 s teardowns end before the next kill
             hostile = {kind: _hostile(stub, folder, kind) for kind in ("long-lines", "idle")}
             bounded = _bounded(stub, folder)
+            fair = _fair(folder)
     finally:
         for process in processes:
             process.kill()
@@ -291,6 +346,13 @@ def main(argv: list[str] | None = None) -> int:
               f"| at most 64 | a thread per retrying flush (crashed under a pids limit of 150) |",
               f"| 8 states of 28 MiB, one after another, default budget (256 MiB) | {bounded['large']} "
               f"| within the budget and a margin | all held, RSS 426 MiB, 548-675 MiB after they closed |"]
+    lines += ["", "Fair by server (each against a fresh guard; 1.1.0 in the last column, from issue 54). Load "
+              f"average at the end: {os.getloadavg()[0]:.1f}.", "",
+              "| case | a healthy server's death to its first /flush | goal | 1.1.0 |", "|---|---|---|---|",
+              f"| after 200 deaths on a server that accepts TCP and never answers | {fair['black-holed']:.1f} ms "
+              "| under 0.1 s | 58.0 s |",
+              f"| after 2 deaths of 500 ids each on a server taking 3 s per /flush | {fair['slow']:.1f} ms "
+              "| under 0.1 s | 11.6 s |"]
     text = "\n".join(lines) + "\n"
     print(text)
     ns.out.write_text(text)

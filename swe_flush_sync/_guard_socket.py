@@ -193,15 +193,30 @@ class SocketPath:
         self._loop.watch(listener.fileno(), self._on_readable)
 
     def _check_folder(self, folder: str) -> None:
-        """Refuse a folder another (non-root) user owns; warn when others may write it without the sticky bit."""
-        info = os.stat(folder)
-        if info.st_uid not in (os.geteuid(), 0):
-            raise GuardError(f"the socket's folder {shown(folder)} is owned by uid {info.st_uid}: that user could "
-                             "replace the socket; use a folder owned by this user or root")
-        if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
-            self._say(f"warning: others may write {shown(folder)} (mode {stat.S_IMODE(info.st_mode):04o}, no "
-                      "sticky bit): they could replace the socket; trainers check who listens before they "
-                      "send anything")
+        """Refuse a folder another (non-root) user owns. One that others may write without the sticky bit
+        (an emptyDir, mode 0777) is made sticky where this guard may (it owns it, or is root), so no
+        other uid can remove or rename what is not theirs; else the operator is told what to change."""
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            info = os.fstat(fd)
+            if info.st_uid not in (os.geteuid(), 0):
+                raise GuardError(f"the socket's folder {shown(folder)} is owned by uid {info.st_uid}: that user "
+                                 "could replace the socket; use a folder owned by this user or root")
+            mode = stat.S_IMODE(info.st_mode)
+            if not mode & (stat.S_IWGRP | stat.S_IWOTH) or mode & stat.S_ISVTX:
+                return
+            try:
+                os.fchmod(fd, mode | stat.S_ISVTX)
+            except OSError as exc:
+                self._say(f"warning: others may write {shown(folder)} (mode {mode:04o}, no sticky bit) and this "
+                          f"guard cannot set it ({exc.strerror or exc}): they could replace the socket (trainers "
+                          f"check who listens before they send anything); run `chmod +t {shown(folder)}` as its "
+                          "owner, or give the guard a folder only its user may write")
+            else:
+                self._say(f"set the sticky bit on {shown(folder)} (mode {mode | stat.S_ISVTX:04o} now): others "
+                          "may write it, but no longer remove or rename what is not theirs")
+        finally:
+            os.close(fd)
 
     def _take_lock(self) -> None:
         """``flock`` on ``PATH.lock`` for the guard's life: the second guard on a path exits, however busy the first."""

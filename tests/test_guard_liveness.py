@@ -61,6 +61,7 @@ def test_another_uid_can_neither_read_nor_change_what_proves_a_trainer_alive(stu
     os.chmod(short_dir, 0o711)  # (the neighbour reaches the shared folder)
     os.chmod(folder, 0o777)  # the emptyDir deployment.md shows: no sticky bit
     guard = start_guard(path=str(folder / "guard.sock"))
+    os.chmod(folder, 0o777)  # (one the guard could not make sticky: see test_guard_walls)
     trainer = Trainer(stub, LONG_STEP.format(name="watched", path=guard.socket))
     trainer.read("ARMED")
     locks = Path(guard.socket + ".locks")
@@ -118,6 +119,7 @@ def test_a_frozen_trainer_whose_lock_files_went_is_not_flushed_across_a_restart(
     os.chmod(folder, 0o777)
     path = str(folder / "guard.sock")
     first = _guard(path, ledger, stub)
+    os.chmod(folder, 0o777)  # (one the guard could not make sticky: see test_guard_walls)
     trainer = Trainer(stub, LONG_STEP.format(name="frozen", path=path))
     trainer.read("ARMED")
     assert wait_until(lambda: len(records(ledger)) == 1, 5.0)

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from swe_flush_sync import recover
+from swe_flush_sync._guard import guard_status
 from swe_flush_sync.testing import AgentServerStub
 
 from .conftest import (
@@ -99,8 +100,11 @@ def test_arming_against_a_socket_of_another_uid_sends_nothing(stub: AgentServerS
 @needs_root
 def test_a_path_taken_while_the_guard_restarts_gets_nothing(stub: AgentServerStub, short_dir: Path,
                                                               start_guard: StartGuard) -> None:
-    path = str(open_folder(short_dir) / "guard.sock")
+    folder = open_folder(short_dir)
+    path = str(folder / "guard.sock")
     guard = start_guard(path=path)
+    assert folder.stat().st_mode & 0o1000  # made sticky (see below) ...
+    folder.chmod(0o777)  # a folder the guard could not make sticky (see the test below): others may replace it
     trainer = Trainer(stub, stdin=True, body=f"""
         import logging
         logging.basicConfig(level=logging.WARNING)
@@ -124,7 +128,41 @@ def test_a_path_taken_while_the_guard_restarts_gets_nothing(stub: AgentServerStu
     assert trainer.proc.stderr is not None
     err = trainer.proc.stderr.read()
     assert err.count(f"served by uid {OTHER_UID}") == 1 and SECRET not in err
-    assert "warning: others may write" in guard.stderr()  # the guard said the folder was unsafe
+
+
+
+@needs_root
+def test_a_root_guard_makes_an_open_folder_sticky(short_dir: Path, start_guard: StartGuard) -> None:
+    """1.1 only warned: in a 0777 emptyDir another uid could rename the guard's files away (issue 54)."""
+    folder = open_folder(short_dir)
+    guard = start_guard(path=str(folder / "guard.sock"))
+    assert oct(folder.stat().st_mode & 0o7777) == "0o1777"  # set before it listens
+    tried = subprocess.run([PYTHON, "-c", f"import os; os.setgid({OTHER_UID}); os.setuid({OTHER_UID})\n"
+                            f"for name in {sorted(os.listdir(folder))!r}:\n"
+                            "    try:\n"
+                            f"        os.rename({str(folder)!r} + '/' + name, {str(folder)!r} + '/moved-' + name)\n"
+                            "        print('MOVED', name)\n"
+                            "    except PermissionError:\n"
+                            "        print('REFUSED', name)\n"], capture_output=True, text=True, timeout=30, cwd="/")
+    assert tried.stdout.split() == [word for name in sorted(os.listdir(folder)) for word in ("REFUSED", name)], tried
+    assert guard_status(guard.socket) is not None
+    assert f"set the sticky bit on {folder} (mode 1777 now)" in guard_pid_lines(guard)
+
+
+@needs_root
+def test_a_guard_that_cannot_make_its_open_folder_sticky_says_what_to_change(short_dir: Path) -> None:
+    folder = open_folder(short_dir)  # root's, 0777: a guard of uid 4242 may use it, not chmod it
+    command = [PYTHON, "-c", "import os, sys; from swe_flush_sync._cli import main; "  # imports first:
+               f"os.setgid({OTHER_UID}); os.setuid({OTHER_UID}); "  # /root is not readable after this
+               "sys.exit(main(sys.argv[1:]))", "guard", "--socket", str(folder / "g.sock")]
+    guard = spawn(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=subprocess_env(), cwd="/")
+    try:
+        assert read_until(guard, lambda line: line.startswith("guarding "), []) is not None
+    finally:
+        guard.kill()
+        err = guard.communicate(timeout=10)[1]
+    assert f"run `chmod +t {folder}` as its owner" in err and "cannot set it" in err, err
+    assert oct(folder.stat().st_mode & 0o7777) == "0o777"
 
 
 @needs_root
