@@ -4,7 +4,9 @@
 thread of the guard runs meanwhile: not its loop, not a flush. So a line over ``OFFLOAD_BYTES``
 goes to one child process (started with the guard, restarted if it dies), which sends back the
 parsed message as ``marshal`` data: a few times cheaper to load than the JSON it came from. The
-child ends when the guard closes its pipe (at the guard's death too: end-of-file).
+child ends when the guard closes its pipe (at the guard's death too: end-of-file). A parse that
+has not answered within ``PARSE_TIMEOUT`` (a stopped or stuck child) has its child killed and
+replaced, and is tried once more on the new one: no thread of the guard waits on it for longer.
 """
 
 from __future__ import annotations
@@ -12,22 +14,40 @@ from __future__ import annotations
 import contextlib
 import marshal
 import os
+import select
 import struct
 import subprocess
 import sys
+import time
 from typing import Any, Final
 
 from ._wire import BadLine, parse_line
 
 _HEADER: Final = struct.Struct("!Q")  # the length of what follows
+PARSE_TIMEOUT: Final = 3.0  # seconds a parse may take before its child is replaced (32 MiB: ~0.3 s loaded)
 
 
-def _read_exactly(fd: int, size: int) -> bytearray:
+def _wait(fd: int, event: int, give_up_at: float | None) -> None:
+    """Until ``fd`` is ready for ``event`` (a non-blocking pipe); ``TimeoutError`` past ``give_up_at``."""
+    if give_up_at is None:
+        return
+    poller = select.poll()
+    poller.register(fd, event)
+    left = give_up_at - time.monotonic()
+    if left <= 0 or not poller.poll(left * 1000):
+        raise TimeoutError
+
+
+def _read_exactly(fd: int, size: int, give_up_at: float | None = None) -> bytearray:
     """``size`` bytes from ``fd``, read in place; fewer only at end-of-file."""
     data = bytearray(size)
     view, done = memoryview(data), 0
     while done < size:
-        got = os.readv(fd, [view[done:]])
+        try:
+            got = os.readv(fd, [view[done:]])
+        except BlockingIOError:
+            _wait(fd, select.POLLIN, give_up_at)
+            continue
         if not got:
             del data[done:]
             break
@@ -36,10 +56,13 @@ def _read_exactly(fd: int, size: int) -> bytearray:
     return data
 
 
-def _write_exactly(fd: int, data: bytes | bytearray) -> None:
+def _write_exactly(fd: int, data: bytes | bytearray, give_up_at: float | None = None) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        try:
+            view = view[os.write(fd, view):]
+        except BlockingIOError:
+            _wait(fd, select.POLLOUT, give_up_at)
 
 
 def main() -> None:
@@ -75,21 +98,27 @@ class ParserProcess:
             code = f"import sys; sys.path[:0] = {sys.path!r}; from swe_flush_sync._guard_parser import main; main()"
             self._child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                            stderr=subprocess.DEVNULL, cwd="/")
+            assert self._child.stdin is not None and self._child.stdout is not None
+            os.set_blocking(self._child.stdin.fileno(), False)  # waits are the guard's, with a deadline
+            os.set_blocking(self._child.stdout.fileno(), False)
 
     def parse(self, line: bytes | bytearray) -> dict[str, Any] | BadLine:
-        """The message of ``line``, or what is wrong with it (the child restarted once if it failed)."""
+        """The message of ``line``, or what is wrong with it (the child replaced, and tried once more,
+        if it failed or did not answer within ``PARSE_TIMEOUT``)."""
         for _ in range(2):
             try:
                 self.start()
                 child = self._child
                 assert child is not None and child.stdin is not None and child.stdout is not None
-                _write_exactly(child.stdin.fileno(), _HEADER.pack(len(line)))
-                _write_exactly(child.stdin.fileno(), line)
-                header = _read_exactly(child.stdout.fileno(), _HEADER.size)
+                give_up_at = time.monotonic() + PARSE_TIMEOUT
+                _write_exactly(child.stdin.fileno(), _HEADER.pack(len(line)), give_up_at)
+                _write_exactly(child.stdin.fileno(), line, give_up_at)
+                header = _read_exactly(child.stdout.fileno(), _HEADER.size, give_up_at)
                 if len(header) < _HEADER.size:
                     raise EOFError
-                kind, value = marshal.loads(_read_exactly(child.stdout.fileno(), _HEADER.unpack(header)[0]))
-            except (OSError, EOFError, ValueError, TypeError):
+                kind, value = marshal.loads(_read_exactly(child.stdout.fileno(), _HEADER.unpack(header)[0],
+                                                          give_up_at))
+            except (OSError, EOFError, ValueError, TypeError):  # TimeoutError is an OSError
                 self.close()
                 continue
             return value if kind == "ok" and isinstance(value, dict) else BadLine(str(value))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import select
 import selectors
 import sys
 import threading
@@ -133,6 +134,21 @@ class Channel:
         start = len(self.pending)
         self.pending += chunk
         return self._take_lines(start)
+
+    def disarm_before_end(self) -> bool:
+        """Of a channel whose peer hung up while a line of it was parsed elsewhere: did a disarm come
+        after that line (read now, to the end; only short lines are parsed)?"""
+        rest = bytearray(self.pending)
+        with contextlib.suppress(OSError):
+            while chunk := os.read(self.read_fd, 1 << 18):
+                rest += chunk
+                if len(rest) > MAX_STATE_BYTES:
+                    break
+        for line in rest.split(b"\n")[:-1]:
+            with contextlib.suppress(BadLine):
+                if len(line) <= OFFLOAD_BYTES and self.parse(line).get("disarm") is True:
+                    return True
+        return False
 
     def _take_lines(self, start: int = 0) -> bool:
         """Take the lines ended in ``pending`` (from ``start``) until one is offloaded; False when it ends."""
@@ -320,6 +336,12 @@ class WatchLoop:
         self.pending = 0  # bytes of unfinished lines held over all channels
         self.max_pending = max_pending
         self._on_end = on_end
+        # Paused channels that hold a state, watched only for their peer's hang-up: a trainer that dies
+        # while a line of it is parsed elsewhere is flushed from the state it holds, without waiting.
+        self._hangups: dict[int, Channel] = {}
+        self._hangup_poll = select.epoll() if hasattr(select, "epoll") else None
+        if self._hangup_poll is not None:
+            self.watch(self._hangup_poll.fileno(), self._hung_up)
 
     def add(self, channel: Channel) -> None:
         self.selector.register(channel.read_fd, selectors.EVENT_READ, channel)
@@ -334,10 +356,33 @@ class WatchLoop:
             self.selector.unregister(fd)
 
     def pause(self, channel: Channel) -> None:
-        """Read no more of ``channel`` until ``resume`` (a line of it is parsed elsewhere meanwhile)."""
+        """Read no more of ``channel`` until ``resume`` (a line of it is parsed elsewhere meanwhile); a
+        hang-up of a channel holding a state still ends it."""
         self.unwatch(channel.read_fd)
+        if self._hangup_poll is not None and channel.state is not None:
+            with contextlib.suppress(OSError):
+                self._hangup_poll.register(channel.read_fd, select.EPOLLRDHUP)
+                self._hangups[channel.read_fd] = channel
+
+    def _stop_hangup_watch(self, channel: Channel) -> None:
+        if self._hangups.pop(channel.read_fd, None) is not None and self._hangup_poll is not None:
+            with contextlib.suppress(OSError):
+                self._hangup_poll.unregister(channel.read_fd)
+
+    def _hung_up(self) -> None:
+        """Paused channels whose peer hung up: ended now, disarmed if a disarm came before the end."""
+        assert self._hangup_poll is not None
+        for fd, _ in self._hangup_poll.poll(0):
+            channel = self._hangups.get(fd)
+            if channel is None:
+                continue
+            self._stop_hangup_watch(channel)
+            if channel in self.channels:
+                channel.disarmed = channel.disarm_before_end()
+                self.end(channel)
 
     def resume(self, channel: Channel) -> None:
+        self._stop_hangup_watch(channel)
         if channel in self.channels:
             with contextlib.suppress(KeyError, ValueError):
                 self.selector.register(channel.read_fd, selectors.EVENT_READ, channel)
@@ -355,6 +400,7 @@ class WatchLoop:
             self.resume(channel)
 
     def end(self, channel: Channel) -> None:
+        self._stop_hangup_watch(channel)
         self.unwatch(channel.read_fd)
         self.channels.remove(channel)
         self.pending -= len(channel.pending)

@@ -1,10 +1,14 @@
 """The guard is fair to every server (issue 54): the deaths of a server that never answers, or
 answers slowly, never delay the flush of another server's trainer. 1.1 served every flush first
 come, first served on 16 workers and 36 HTTP threads: a healthy server's death was flushed 58 s
-late behind 200 deaths on a black-holed one, and 11.6 s late behind two large slow ones."""
+late behind 200 deaths on a black-holed one, and 11.6 s late behind two large slow ones. Nor does
+a stuck part hold anything: a stopped parser process is replaced within a bound, and a trainer that
+dies while a line of it waits for the parser is flushed from the state it holds."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import threading
 import time
@@ -12,10 +16,11 @@ from collections.abc import Iterator
 
 import pytest
 
+from swe_flush_sync._guard_parser import PARSE_TIMEOUT
 from swe_flush_sync._guard_pool import WorkPool
 from swe_flush_sync.testing import AgentServerStub
 
-from .conftest import StartGuard, wait_until
+from .conftest import StartGuard, gone, wait_until
 from .helpers import a_state, answer, connect, state_line
 
 BOUND = 1.0  # seconds from a healthy server's trainer's death to its first /flush (1.1: 11.6-58 s)
@@ -119,3 +124,53 @@ def test_the_pool_takes_keys_in_turn_fresh_before_due_and_within_a_share() -> No
     gate.set()
     assert wait_until(lambda: len(ran) == 8 and len(pool) == 0, 10.0)
     assert most == {"crowd": 1, "retry": 1, "late": 1}
+
+
+def _parser_pid(guard_pid: int) -> int:
+    pids = []
+    for task in os.listdir(f"/proc/{guard_pid}/task"):  # (each thread lists the children it started)
+        with open(f"/proc/{guard_pid}/task/{task}/children") as children:
+            pids += [int(pid) for pid in children.read().split()]
+    assert len(pids) == 1, pids  # the parser process is the guard's one child
+    return pids[0]
+
+
+def _long_line_state(name: str, url: str) -> dict[str, object]:
+    """A state whose line is parsed in the parser process (over 64 KiB)."""
+    return a_state(urls=[url], ids=[f"{name}-{i:04d}-" + "x" * 100 for i in range(1000)], trainer=name[0] * 32)
+
+
+def test_a_stopped_parser_holds_no_death_and_no_arming(start_guard: StartGuard) -> None:
+    """1.1 waited on its parser process without end: SIGSTOPped, a large trainer's death was not flushed in
+    15 s, and no new large trainer could arm."""
+    guard = start_guard()
+    parser = _parser_pid(guard.proc.pid)
+    os.kill(parser, signal.SIGSTOP)
+    try:
+        with AgentServerStub() as stub:
+            peers = {}
+            for name in ("alive", "disarmed"):  # each holds a small state, then sends a long one
+                peer = connect(guard.socket)
+                peer.sendall(state_line(a_state(urls=[stub.url], ids=[f"{name}-held"], trainer=name[0] * 32)))
+                assert answer(peer).startswith(b"held")
+                peer.sendall(state_line(_long_line_state(name, stub.url), seq=2))
+                peers[name] = peer
+            peers["disarmed"].sendall(b'{"disarm": true}\n')  # behind its long line: it ends disarmed
+            peers["disarmed"].close()
+            peers["alive"].close()  # it dies while its long line waits for the stopped parser
+            died = time.monotonic()
+            assert wait_until(lambda: "alive-held" in stub.flushed_ids(), 5.0), stub.flushed_ids()
+            assert stub.requests[0].at - died < BOUND  # from the state it held, without waiting
+            assert "disarmed-held" not in stub.flushed_ids()
+            arming = time.monotonic()
+            with connect(guard.socket) as large:  # a new trainer whose first state is long
+                large.sendall(state_line(_long_line_state("big", stub.url)))
+                assert answer(large).startswith(b"held")
+                assert time.monotonic() - arming < 2 * PARSE_TIMEOUT  # the parser replaced (arming waits 10 s)
+                large.sendall(b'{"disarm": true}\n')
+            assert wait_until(lambda: gone(parser), 5.0)  # the stopped one was killed
+            assert _parser_pid(guard.proc.pid) != parser
+    finally:
+        if not gone(parser):
+            os.kill(parser, signal.SIGKILL)
+    assert guard.proc.poll() is None
