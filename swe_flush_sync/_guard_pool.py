@@ -158,13 +158,21 @@ class KeyedWorkers:
         self.pool = WorkPool(name, workers, on_start_failure)
 
     def run(self, future: Future[T], call: Callable[[], T], key: Hashable = None) -> bool:
+        """Queue ``call`` under ``key``; where no thread could start at all (a pids limit), run it here."""
         self.pool.submit(functools.partial(_run_into, future, call), key=key)
+        if not self.pool.threads:  # (bounded by the call's own deadline; a worker taking it meanwhile: skipped)
+            _run_into(future, call)
         return True
 
 
 def _run_into(future: Future[T], call: Callable[[], T]) -> None:
-    if future.set_running_or_notify_cancel():  # a request given up before a worker took it never runs
-        try:
-            future.set_result(call())
-        except BaseException as exc:  # noqa: BLE001 - a bug: carried to the caller, as an executor does
-            future.set_exception(exc)
+    """Run ``call`` into ``future``, unless it was given up (cancelled) or another thread runs it."""
+    try:
+        if not future.set_running_or_notify_cancel():
+            return
+    except RuntimeError:  # running or done already: taken by the other of a worker and its caller
+        return
+    try:
+        future.set_result(call())
+    except BaseException as exc:  # noqa: BLE001 - a bug: carried to the caller, as an executor does
+        future.set_exception(exc)
