@@ -13,11 +13,12 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 
 import pytest
 
 from swe_flush_sync._guard_parser import PARSE_TIMEOUT
-from swe_flush_sync._guard_pool import WorkPool
+from swe_flush_sync._guard_pool import KeyedWorkers, WorkPool
 from swe_flush_sync.testing import AgentServerStub
 
 from .conftest import StartGuard, gone, wait_until
@@ -174,3 +175,15 @@ def test_a_stopped_parser_holds_no_death_and_no_arming(start_guard: StartGuard) 
         if not gone(parser):
             os.kill(parser, signal.SIGKILL)
     assert guard.proc.poll() is None
+
+
+def test_a_request_is_sent_by_its_caller_while_no_http_thread_can_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_thread(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr("swe_flush_sync._guard_pool.start_daemon_thread", no_thread)
+    said: list[str] = []
+    workers = KeyedWorkers("test-http", 8, said.append)
+    future: Future[int] = Future()
+    assert workers.run(future, lambda: 42, "http://server") and future.result(timeout=0) == 42
+    assert workers.pool.threads == 0 and len(said) == 1 and "can't start new thread" in said[0]
