@@ -229,7 +229,7 @@ class _GuardLocks:
         old, self._life = self._life, (fd, lock)
         if old is not None:
             os.close(old[0])
-        self._say(f"the lock folder {shown(self.folder.path)} was removed; made again")
+        self._say_once("lock folder", f"the lock folder {shown(self.folder.path)} was removed; made again")
 
     def named(self, channel: Channel) -> dict[str, LockFile | None]:
         """What a record names to prove life: the trainer's lock and this guard's."""
