@@ -19,12 +19,24 @@ from pathlib import Path
 
 import pytest
 
+from swe_flush_sync import recover
 from swe_flush_sync._guard import guard_status
 from swe_flush_sync._guard_socket import PATH_CHECK
 from swe_flush_sync.testing import AgentServerStub
 
 from .conftest import PYTHON, SECRET, StartGuard, read_until, spawn, stays, subprocess_env, wait_until
-from .helpers import OTHER_UID, Trainer, a_state, answer, connect, needs_root, records, state_line
+from .helpers import (
+    OTHER_UID,
+    Trainer,
+    a_state,
+    answer,
+    connect,
+    namespace_init,
+    needs_root,
+    needs_unshare,
+    records,
+    state_line,
+)
 
 LONG_STEP = """
 args = argparse.Namespace(session_server_instance_ids={{1: "{name}-a", 2: "{name}-b"}})
@@ -187,6 +199,81 @@ def test_a_same_uid_peer_cannot_take_another_trainers_place(stub: AgentServerStu
     finally:
         guard.kill()
         guard.wait(10)
+
+
+DYING_STEP = """
+args = argparse.Namespace(session_server_instance_ids={{1: "{name}-a", 2: "{name}-b"}})
+keeper = watchdog(args, guard={path!r}, until_idle=False)
+print("ARMED", flush=True)
+if sys.stdin.readline().strip() == "exit":
+    os._exit(3)  # no Python exit hook runs
+time.sleep(120)
+"""
+
+
+def _sidecar_guard(path: str, ledger: Path) -> tuple[subprocess.Popen[str], int]:
+    """A guard as PID 1 of a PID namespace of its own (a sidecar container): the unshare, the guard's host pid."""
+    proc = spawn(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", PYTHON, "-m", "swe_flush_sync",
+                  "guard", "--socket", path, "--ledger", str(ledger)], stdout=subprocess.PIPE,
+                 stderr=subprocess.PIPE, env=subprocess_env(), start_new_session=True)
+    init = namespace_init(proc)
+    assert read_until(proc, lambda line: line.startswith("guarding"), []) is not None
+    return proc, init
+
+
+@needs_unshare
+def test_recover_after_a_sidecar_guard_and_its_trainer_were_killed_together(stub: AgentServerStub,
+                                                                             short_dir: Path) -> None:
+    """The matrix's sidecar cell: 1.1's recover said "nothing to flush" and left all 12 runs (both runs). The
+    record names locks the kernel freed at the deaths, whatever PID namespace the guard ran in."""
+    ledger, path = short_dir / "ledger", str(short_dir / "guard.sock")
+    sidecar, init = _sidecar_guard(path, ledger)
+    trainer = Trainer(stub, LONG_STEP.format(name="pod", path=path))
+    trainer.read("ARMED")
+    assert wait_until(lambda: len(records(ledger)) == 1, 5.0)
+    assert recover(str(ledger), servers=stub.url, environ={"HARBOR_ADMIN_SECRET": SECRET}).results == ()  # alive
+    os.kill(init, signal.SIGKILL)  # the pod goes: its sidecar and its trainer together
+    trainer.proc.kill()
+    sidecar.wait(10)
+    trainer.death()
+    started = time.monotonic()
+    report = recover(str(ledger), servers=stub.url, environ={"HARBOR_ADMIN_SECRET": SECRET}, until_idle=False)
+    assert report.ok and sorted(stub.flushed_ids()) == ["pod-a", "pod-b"], report.summary()
+    assert time.monotonic() - started < 1.0 and records(ledger) == []
+
+
+@needs_unshare
+@pytest.mark.parametrize("death", ["SIGKILL", "os._exit", "SIGTERM without hooks"])
+def test_a_restarted_sidecar_flushes_a_death_its_predecessor_was_killed_in(stub: AgentServerStub, short_dir: Path,
+                                                                           death: str) -> None:
+    """The matrix's gkill cells: the sidecar SIGKILLed right after a trainer's death, its successor in a new
+    PID namespace. 1.1's successor never flushed (all 12 runs left)."""
+    ledger, path = short_dir / "ledger", str(short_dir / "guard.sock")
+    first, first_init = _sidecar_guard(path, ledger)
+    trainer = Trainer(stub, DYING_STEP.format(name="pod", path=path), stdin=True)
+    trainer.read("ARMED")
+    assert wait_until(lambda: len(records(ledger)) == 1, 5.0)
+    if death == "SIGKILL":
+        trainer.proc.kill()
+    elif death == "os._exit":
+        trainer.go_on("exit")
+    else:
+        trainer.proc.terminate()
+    trainer.death()
+    os.kill(first_init, signal.SIGKILL)  # (its flush, if it had started one, dies with it)
+    first.wait(10)
+    successor = spawn(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", PYTHON, "-m", "swe_flush_sync",
+                       "guard", "--socket", path, "--ledger", str(ledger)], stdout=subprocess.PIPE,
+                      stderr=subprocess.PIPE, env=subprocess_env(AGENT_SERVER_URL=stub.url, HARBOR_ADMIN_SECRET=SECRET),
+                      start_new_session=True)
+    try:
+        assert read_until(successor, lambda line: line.startswith("guarding"), []) is not None
+        started = time.monotonic()
+        assert wait_until(lambda: {"pod-a", "pod-b"} <= set(stub.flushed_ids()) and records(ledger) == [], 5.0)
+        assert [r.instance_id for r in stub.requests if r.at - started >= 1.0] == []  # (the first's, if any, before)
+    finally:
+        successor.kill()
+        successor.wait(10)
 
 
 def _receive_lock(peer: socket.socket) -> tuple[bytes, list[int]]:
