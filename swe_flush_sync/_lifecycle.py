@@ -32,7 +32,7 @@ from ._flusher import Flusher, abandon_all_in_flight
 from ._logs import WORKER_THREAD_PREFIX, log_report, urllib3_silenced
 from ._options import DEFAULT_DEADLINE, FlushOptions
 from ._report import FlushReport
-from ._resolve import URL_ENV_VARS, resolve_bearer, resolve_instance_ids, resolve_server_urls
+from ._resolve import URL_ENV_VARS, resolve_bearer, resolve_instance_ids, resolve_server_list
 from ._threads import Workers, start_daemon_thread
 from ._watchdog import SEND_TIMEOUT, disarm_flushed, hand_over_to_watchdogs, warn_lost_watchdogs
 
@@ -168,8 +168,8 @@ def _abort_report(args: Any, environ: Mapping[str, str] | None, options: FlushOp
     hand_over_to_watchdogs(args, rearm=not hook, patience=min(SEND_TIMEOUT, options.deadline / 2))
     try:
         env = os.environ if environ is None else environ
-        urls = resolve_server_urls(env)
-        if not urls:  # ids to flush and nowhere to send them: a misconfiguration, never ok
+        urls, skipped = resolve_server_list(env)  # a bad entry of a list stops only itself
+        if not urls and not skipped:  # ids to flush and nowhere to send them: a misconfiguration, never ok
             with contextlib.suppress(FlushError):  # (args without ids: nothing to flush, nothing to say)
                 ids = resolve_instance_ids(args)
                 if ids:
@@ -182,8 +182,12 @@ def _abort_report(args: Any, environ: Mapping[str, str] | None, options: FlushOp
         if options.admin_secret is None and options.bearer is None:
             options = dataclasses.replace(options, bearer=resolve_bearer(env))
         budget = max(options.deadline - (time.monotonic() - started), 0.001)  # the deadline counts from the call
-        return _cached_flusher(urls, options)._flush_ids(ids, budget, until_idle=options.until_idle,
-                                                         workers=_standby if hook else None)
+        report = _cached_flusher(urls, options)._flush_ids(ids, budget, until_idle=options.until_idle,
+                                                           workers=_standby if hook else None) if urls \
+            else FlushReport(elapsed=time.monotonic() - started)
+        if skipped:  # flushed on the good servers; never ok, and saying which entry was skipped
+            report = dataclasses.replace(report, error="skipped " + "; ".join(skipped))
+        return report
     except FlushError as exc:
         error = str(exc)
     except Exception as exc:  # noqa: BLE001 - the "never raises" boundary; the message could hold anything
@@ -228,7 +232,8 @@ def abort(args: Any, *, environ: Mapping[str, str] | None = None, **options: Unp
     Returns:
         The ``FlushReport``. No ids: an empty ok report, nothing sent. Ids but no server: nothing
         sent, and ``report.error`` says so (so ``ok`` is False; also said once per process with
-        ``warnings.warn``). A configuration problem (a bad option or environment value) is logged
+        ``warnings.warn``). A bad entry in the servers' list is skipped and named in
+        ``report.error`` (``ok`` False); the good servers are flushed. A configuration problem (a bad option or environment value) is logged
         as one warning and returned in ``report.error``.
 
     Raises:

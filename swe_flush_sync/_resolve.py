@@ -164,6 +164,23 @@ def resolve_bearer(environ: Mapping[str, str] | None = None) -> StaticBearer | S
     return None
 
 
+def resolve_server_list(environ: Mapping[str, str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``resolve_server_urls`` that skips the bad entries of a list instead of raising: the good
+    URLs, and for each entry skipped what is wrong with it (naming the variable and the entry)."""
+    for var in URL_ENV_VARS:
+        value = environ.get(var)
+        if value is not None and value.strip():
+            good: dict[str, None] = {}
+            skipped: list[str] = []
+            for piece in filter(None, (piece.strip() for piece in value.split(","))):
+                try:
+                    good[_check_url(piece, var)] = None
+                except ConfigError as exc:
+                    skipped.append(str(exc))
+            return tuple(good), tuple(skipped)
+    return (), ()
+
+
 def normalize_server_urls(urls: str | Iterable[str], source: str = "server_urls") -> tuple[str, ...]:
     """Validate and normalise URLs (a comma-separated str or an iterable of str) named ``source``."""
     if isinstance(urls, str):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from swe_flush_sync import ConfigError, abort_async, flush_at_exit, flush_on_signal
+from swe_flush_sync import ConfigError, abort, abort_async, flush_at_exit, flush_on_signal
 from swe_flush_sync.testing import AgentServerStub
 
 from .conftest import PYTHON, SECRET, blocked_in, read_until, spawn, subprocess_env
@@ -368,3 +368,14 @@ def test_a_hook_that_fired_lets_its_standby_threads_go() -> None:
         hook.uninstall()
     finally:
         signal.signal(signal.SIGUSR2, previous)
+
+
+def test_a_bad_entry_of_the_server_list_is_skipped_and_named_and_the_good_ones_flushed(stub: AgentServerStub) -> None:
+    """1.1: one mistyped entry of AGENT_SERVER_URL stopped the good server from being flushed, with no word of which."""
+    environ = {"AGENT_SERVER_URL": f"http//typo:9, {stub.url}", "HARBOR_ADMIN_SECRET": SECRET}
+    report = abort({"session_server_instance_ids": ["x", "y"]}, environ=environ, until_idle=False)
+    assert sorted(stub.flushed_ids()) == ["x", "y"] and all(result.ok for result in report.results)
+    assert not report.ok and report.error is not None
+    assert "skipped AGENT_SERVER_URL: 'http//typo:9' must start with http://" in report.error
+    only_bad = abort({"session_server_instance_ids": ["z"]}, environ={"AGENT_SERVER_URL": "ftp://x"})
+    assert not only_bad.ok and only_bad.results == () and "ftp://x" in (only_bad.error or "")
