@@ -438,7 +438,7 @@ def print_report(report: FlushReport, as_json: bool, out: TextIO | None = None, 
         for row in rows:
             cells = "  ".join(cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=True))
             print(f"{cells}  {row[-1]}", file=out)
-    print(report.summary() if report.results or report.error else "nothing to flush", file=out)
+    print(report.summary() if report.results or report.error or report.left_alone else "nothing to flush", file=out)
 
 
 _COMMANDS: dict[str, Command] = {"recover": (_recover_parser, _run_recover), "guard": (_guard_parser, _run_guard),

@@ -22,7 +22,7 @@ from ._errors import ConfigError
 from ._flusher import Flusher
 from ._liveness import remove_if_free
 from ._logs import log_report
-from ._options import FlushOptions
+from ._options import DEFAULT_DEADLINE, FlushOptions
 from ._proc import Place, alive, process_start_time
 from ._record import RECORD_SUFFIX, BadRecord, Record, UntrustedRecord
 from ._report import FlushReport
@@ -45,6 +45,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+DYING_GRACE: Final = 1.0  # seconds past its trainer's deadline a running watchdog is left to flush its record
+DYING_POLL: Final = 0.05  # seconds between two looks at such a record
 CLAIM_MARK: Final = ".claim-"  # <record>.json.claim-<host>.<pid>.<start>: being recovered
 BAD_SUFFIX: Final = ".bad"
 STALE_CLAIM: Final = 600.0  # seconds after which a claim made on another host is taken over
@@ -76,15 +78,22 @@ class _Ledger:
         self.folder = folder
         self.servers = frozenset(servers)
         self.judge = judge
-        self.left_alone: dict[str, int] = {}  # why -> records not flushed nor moved for that reason
+        self.left_alone: dict[str, int] = {}  # why -> records not flushed nor moved for that reason (errors)
+        self.listed: dict[str, str] = {}  # record name -> why it was left alone (alive, too: not an error)
+        self.dying: dict[str, float] = {}  # record name -> until when its running watchdog is left to flush it
+        self._warned: set[str] = set()  # records warned about (once, whatever the passes)
         self.moved_aside = 0
         self.here = Place.here()
         started = process_start_time(os.getpid()) or 0
         self.claim = f"{CLAIM_MARK}{self.here.host}.{self.here.pid_ns}.{os.getpid()}.{started}"
 
     def candidates(self, now: float) -> list[tuple[str, Record]]:
-        """Claim (rename) every usable record whose owner is gone; (claimed path, record) each."""
+        """Claim (rename) every usable record whose owner is gone; (claimed path, record) each. A record
+        whose trainer is dead but whose watchdog runs is left to it until ``dying`` says (a recover
+        without a guard's ``judge`` then waits for it: ``wait_for_dying``)."""
         claimed = []
+        self.listed.clear()
+        self.left_alone.clear()  # (a second pass counts them again)
         for name in sorted(os.listdir(self.folder)):
             path = os.path.join(self.folder, name)
             if name.startswith(".") or name.endswith(BAD_SUFFIX):
@@ -97,48 +106,86 @@ class _Ledger:
                 original = name
             else:
                 continue
-            record = self._usable(path)
-            if record is None or (CLAIM_MARK not in name and not self._gone(record, now)):
-                continue  # unusable, or a live trainer's record: left alone
+            record = self._readable(path)
+            if record is None:
+                continue
+            if CLAIM_MARK not in name and not self._gone(record, now, name):
+                continue  # a live trainer's record: left alone
+            if not self._servers_given(record, name):
+                continue
             mine = os.path.join(self.folder, original + self.claim)
             try:
                 os.rename(path, mine)  # atomic: of two recovers, one wins and the other finds nothing
             except FileNotFoundError:
                 continue
-            record = self._usable(mine)  # as it was when claimed: the latest ids
-            if record is not None:
+            record = self._readable(mine)  # as it was when claimed: the latest ids
+            if record is not None and self._servers_given(record, name):
                 claimed.append((mine, record))
             elif os.path.exists(mine):
                 with contextlib.suppress(OSError):
                     os.rename(mine, os.path.join(self.folder, original))
         return claimed
 
-    def _gone(self, record: Record, now: float) -> bool:
+    def _gone(self, record: Record, now: float, name: str) -> bool:
         gone = record.owner_gone(self.here, now)
-        return gone if self.judge is None else self.judge(record, gone)
+        if self.judge is not None:
+            return self.judge(record, gone)
+        if not gone and record.dying(self.here):  # its watchdog's flush (or death) gets its moment
+            until = self.dying.setdefault(name, time.monotonic() + (record.deadline or DEFAULT_DEADLINE) + DYING_GRACE)
+            if time.monotonic() < until:
+                self.listed[name] = "its watchdog is flushing it"
+                return False
+            return True
+        if not gone:
+            self.listed[name] = "alive"
+        return gone
 
-    def _usable(self, path: str) -> Record | None:
-        """The record at ``path`` if it may be flushed by this ``recover``; else None, said once."""
+    def wait_for_dying(self) -> None:
+        """Until no record's watchdog still has its moment (each record's deadline plus ``DYING_GRACE``)."""
+        while any(why == "its watchdog is flushing it" for why in self.listed.values()):
+            time.sleep(DYING_POLL)
+            self.listed = {name: why for name, why in self.listed.items()
+                           if why != "its watchdog is flushing it" or self._still_dying(name)}
+
+    def _still_dying(self, name: str) -> bool:
         try:
-            record = Record.read(path)
+            record = Record.read(os.path.join(self.folder, name))
+        except (OSError, BadRecord, UntrustedRecord):
+            return False  # flushed and removed by its watchdog, or claimed
+        return record.dying(self.here) and time.monotonic() < self.dying.get(name, 0.0)
+
+    def _readable(self, path: str) -> Record | None:
+        """The record at ``path`` if this recover may believe it; else None, said once."""
+        try:
+            return Record.read(path)
         except FileNotFoundError:
             return None  # another recover claimed it a moment ago
         except UntrustedRecord as exc:
-            log.warning("ledger record %s %s; left alone", shown(os.path.basename(path)), exc)
-            self._leave_alone("another user could have written" if "symbolic" not in str(exc) else "a symbolic link")
+            self._warn(os.path.basename(path), "ledger record %s %s; left alone", shown(os.path.basename(path)), exc)
+            why = "another user could have written" if "symbolic" not in str(exc) else "a symbolic link"
+            self._leave_alone(why)
+            self.listed[os.path.basename(path)] = f"not trusted: {why} it"
             return None
         except BadRecord as exc:
             self._set_aside(path, str(exc))
             self.moved_aside += 1
             return None
+
+    def _servers_given(self, record: Record, name: str) -> bool:
+        """Does the record of a gone owner name only servers this recover may send a bearer to? Else said."""
         foreign = [url for url in record.urls if url not in self.servers]
         if foreign:
-            log.warning("ledger record %s names %d server(s) recover was not given (%s); left alone: a "
-                        "bearer goes only to the servers the recovering side names", shown(os.path.basename(path)),
-                        len(foreign), redact_url(foreign[0]))
+            self._warn(name, "ledger record %s names %d server(s) recover was not given (%s); left alone: a "
+                       "bearer goes only to the servers the recovering side names", shown(name), len(foreign),
+                       redact_url(foreign[0]))
             self._leave_alone("naming a server recover was not given")
-            return None
-        return record
+            self.listed[name] = f"its trainer is gone, but it names a server not given ({redact_url(foreign[0])})"
+        return not foreign
+
+    def _warn(self, name: str, message: str, *args: object) -> None:
+        if name not in self._warned:
+            self._warned.add(name)
+            log.warning(message, *args)
 
     def _leave_alone(self, why: str) -> None:
         self.left_alone[why] = self.left_alone.get(why, 0) + 1
@@ -202,7 +249,9 @@ def recover(ledger: str, *, servers: str | Iterable[str] | None = None, environ:
     An owner is gone when its keeper marked it so; when the lock files of a guard's record prove it;
     when, in this host, boot and PID namespace, its trainer is dead (a zombie
     counts) and its watchdog or guard is not alive; anywhere else, when its heartbeat is older
-    than three intervals (30 s by default). The pairs of every gone record are flushed in one
+    than three intervals (30 s by default). A record whose trainer is dead here but whose watchdog
+    still runs (flushing it, or killed with it and not gone yet) is left to that watchdog for its
+    deadline plus 1 s, then flushed if it is still there. The pairs of every gone record are flushed in one
     parallel call (until idle by default); a record whose pairs all flushed is removed, the others
     stay for the next ``recover``. Two recovers never flush the same record (each claims it by a
     rename). A record that cannot be read is moved aside to ``*.bad`` with a warning; values in
@@ -221,7 +270,8 @@ def recover(ledger: str, *, servers: str | Iterable[str] | None = None, environ:
         cannot be listed or may not be trusted, ids set aside, records left alone (another user
         could have written them, or they name a server not given) and records moved aside are
         counted in ``report.error`` (so ``report.ok`` is False and ``swe-flush recover`` exits 1).
-        Records of live owners are not: leaving them is the rule.
+        Records of live owners are not: leaving them is the rule. Every record left alone is
+        listed in ``report.left_alone`` with the reason.
 
     Raises:
         ConfigError: ``ledger`` is not a path, no server is named, or a bad option. Never for a
@@ -268,11 +318,15 @@ def _recover(ledger: str, servers: str | Iterable[str] | None, environ: Mapping[
     try:
         book = _Ledger(ledger, urls, judge)
         claimed = book.candidates(time.time())
+        if judge is None and "its watchdog is flushing it" in book.listed.values():
+            book.wait_for_dying()
+            claimed += book.candidates(time.time())
     except OSError as exc:
         return FlushReport(elapsed=time.monotonic() - started,
                            error=f"the ledger cannot be read: {exc.strerror or type(exc).__name__}")
+    left_alone = tuple(f"{name}: {why}" for name, why in sorted(book.listed.items()))
     if not claimed:
-        return FlushReport(elapsed=time.monotonic() - started, error=book.skipped())
+        return FlushReport(elapsed=time.monotonic() - started, error=book.skipped(), left_alone=left_alone)
     if flush_options.bearer_provider is None:
         flush_options = dataclasses.replace(flush_options, bearer=resolve_bearer(env))
     groups: dict[tuple[str, ...], dict[str, None]] = {}
@@ -284,7 +338,7 @@ def _recover(ledger: str, servers: str | Iterable[str] | None, environ: Mapping[
         on_claimed(len(claimed))  # after the flush and the records settled
     skipped = book.skipped()
     return FlushReport(results=report.results, elapsed=time.monotonic() - started,
-                       error="; ".join([*set_aside, *([skipped] if skipped else [])]) or None)
+                       error="; ".join([*set_aside, *([skipped] if skipped else [])]) or None, left_alone=left_alone)
 
 
 def flush_groups(groups: Mapping[tuple[str, ...], Iterable[str]], options: FlushOptions,

@@ -233,8 +233,8 @@ def abort(args: Any, *, environ: Mapping[str, str] | None = None, **options: Unp
         The ``FlushReport``. No ids: an empty ok report, nothing sent. Ids but no server: nothing
         sent, and ``report.error`` says so (so ``ok`` is False; also said once per process with
         ``warnings.warn``). A bad entry in the servers' list is skipped and named in
-        ``report.error`` (``ok`` False); the good servers are flushed. A configuration problem (a bad option or environment value) is logged
-        as one warning and returned in ``report.error``.
+        ``report.error`` (``ok`` False); the good servers are flushed. A configuration problem (a
+        bad option or environment value) is logged as one warning and returned in ``report.error``.
 
     Raises:
         TypeError: a misspelt option (at the call, like any misspelt keyword).

@@ -61,6 +61,7 @@ class Record:
     trainer_lock_inode: str | None = None  # ... and its inode (DEV:INO): another file there proves nothing
     guard_lock: str | None = None  # ... and the lock of the guard that keeps it (held while that guard lives)
     guard_lock_inode: str | None = None
+    deadline: float | None = None  # seconds its keeper's flush takes at most (the trainer's ``deadline``)
     set_aside: str | None = None
 
     def write(self, path: str) -> None:
@@ -138,6 +139,7 @@ class Record:
                    watchdog_start_time=_field(raw, "watchdog_start_time", number),
                    heartbeat=float(_field(raw, "heartbeat", (int, float))),
                    heartbeat_interval=float(_field(raw, "heartbeat_interval", (int, float))),
+                   deadline=float(raw["deadline"]) if type(raw.get("deadline")) in (int, float) else None,
                    set_aside=f"{invalid} of its ids set aside (not text)" if invalid else None)
 
     def locks(self) -> tuple[LockFile | None, LockFile | None]:
@@ -164,6 +166,13 @@ class Record:
             if self.start_time is not None:
                 return not alive(self.pid, self.start_time)
         return self.stale(now)
+
+    def dying(self, here: Place) -> bool:
+        """In this host, boot and PID namespace: its trainer is dead and its watchdog still runs (flushing
+        it, or killed with it a moment ago and not yet gone)."""
+        return (here.boot_id is not None and here.pid_ns is not None and self.place == here and not self.gone
+                and self.start_time is not None and not alive(self.pid, self.start_time)
+                and alive(self.watchdog_pid, self.watchdog_start_time))
 
     def stale(self, now: float) -> bool:
         """Is its heartbeat older than ``STALE_HEARTBEATS`` intervals?"""
@@ -231,8 +240,10 @@ class RecordKeeper:
     def write(self) -> None:
         """Write (or rewrite) the record with the last state's servers and ids and a fresh heartbeat."""
         state = self._state
+        deadline = (state.get("options") or {}).get("deadline")
         dataclasses.replace(self._base, urls=tuple(state.get("urls", ())), ids=tuple(state.get("ids", ())),
-                            heartbeat=time.time(), gone=self.gone).write(self.path)
+                            heartbeat=time.time(), gone=self.gone,
+                            deadline=float(deadline) if isinstance(deadline, (int, float)) else None).write(self.path)
 
     def remove(self) -> None:
         with contextlib.suppress(OSError):

@@ -109,6 +109,8 @@ class FlushReport:
         elapsed: wall seconds the call took.
         error: a problem that stopped the flush before any pair ran (bad configuration in
             ``abort``), or that ``recover`` met beside its results (ids set aside), else None.
+        left_alone: ``recover``'s records it did not flush, each ``"NAME: why"`` (alive, its
+            watchdog flushing it, a server not given, not trusted); only the last two are errors.
 
     Examples:
         ```python
@@ -121,6 +123,7 @@ class FlushReport:
     results: tuple[FlushResult, ...] = ()
     elapsed: float = 0.0
     error: str | None = None
+    left_alone: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -145,6 +148,7 @@ class FlushReport:
             "cancelled": self.cancelled,
             "error": self.error,
             "results": [asdict(result) for result in self.results],
+            "left_alone": list(self.left_alone),
         }
 
     def raise_for_failures(self) -> None:
@@ -156,7 +160,7 @@ class FlushReport:
     def summary(self) -> str:
         """One line: what was flushed, what failed and why (first few)."""
         if self.error is not None and not self.results:
-            return f"flush not run: {shown(self.error)}"
+            return f"flush not run: {shown(self.error)}" + self._left_alone_said()
         failed = self.failed
         line = (
             f"flushed {len(self.results) - len(failed)}/{len(self.results)} targets "
@@ -172,4 +176,11 @@ class FlushReport:
             line += f"; {len(failed)} failed: {listed}{more}"
         if self.error is not None:
             line += f"; {shown(self.error)}"
-        return line
+        return line + self._left_alone_said()
+
+    def _left_alone_said(self) -> str:
+        if not self.left_alone:
+            return ""
+        more = f"; and {len(self.left_alone) - _SHOWN_FAILURES} more" if len(self.left_alone) > _SHOWN_FAILURES else ""
+        return (f"; left {len(self.left_alone)} record(s) alone: "
+                + "; ".join(shown(why) for why in self.left_alone[:_SHOWN_FAILURES]) + more)

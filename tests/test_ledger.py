@@ -267,3 +267,46 @@ def test_cli_recover(stub: AgentServerStub, tmp_path: Path) -> None:
     usage = subprocess.run([PYTHON, "-m", "swe_flush_sync", "recover"], capture_output=True, text=True, env=env,
                            timeout=60)
     assert usage.returncode == 2 and "Traceback" not in usage.stderr
+
+
+def test_recover_gives_a_running_watchdog_its_moment_and_then_flushes(stub: AgentServerStub, tmp_path: Path) -> None:
+    """1.1: a trainer and its watchdog SIGKILLed, recover() at once flushed 0/0 and said ok in 6 of 15 calls: the
+    killed watchdog had not died yet (state R) and its record was left to it."""
+    trainer = Trainer(stub, f"""
+        armed(watchdog(args, ledger={str(tmp_path)!r}, deadline=1, until_idle=False))
+        time.sleep(60)
+    """)
+    keeper = trainer.armed()
+    assert wait_until(lambda: len(records(tmp_path)) == 1, 5.0)
+    os.kill(keeper, signal.SIGSTOP)  # runs, but never flushes: as one killed a moment ago, not yet gone
+    try:
+        trainer.proc.kill()
+        trainer.death()
+        started = time.monotonic()
+        report = recover(str(tmp_path), servers=stub.url, environ=ENV, until_idle=False)
+        waited = time.monotonic() - started
+    finally:
+        os.kill(keeper, signal.SIGKILL)
+    assert report.ok and sorted(stub.flushed_ids()) == sorted(IDS) and records(tmp_path) == [], report.summary()
+    assert waited >= 1.0  # its deadline (1 s) went to the watchdog first
+    assert wait_until(lambda: gone(keeper), 5.0)
+
+
+def test_recover_lists_the_records_it_left_alone_and_live_ones_are_no_error(stub: AgentServerStub,
+                                                                           tmp_path: Path) -> None:
+    """1.1 warned about a live trainer's record naming another server, and `recover --url A` exited 1."""
+    write_record(tmp_path, "live-elsewhere", ["theirs"], "http://server-b:8000", heartbeat_age=0, pid=os.getpid(),
+                 start_time=_start_time(os.getpid()), **here())
+    out = subprocess.run([PYTHON, "-m", "swe_flush_sync", "recover", str(tmp_path), "--url", stub.url],
+                         capture_output=True, text=True, timeout=60, env=subprocess_env(**ENV))
+    assert out.returncode == 0, out
+    assert "left 1 record(s) alone: live-elsewhere.json: alive" in out.stdout and out.stderr == ""
+    dead = spawn([PYTHON, "-c", "pass"])
+    dead.wait()
+    write_record(tmp_path, "gone-elsewhere", ["lost"], "http://server-b:8000", heartbeat_age=0, pid=dead.pid,
+                 start_time=123, **here())
+    report = recover(str(tmp_path), servers=stub.url, environ=ENV)
+    assert not report.ok and stub.requests == []  # a gone owner's record nobody here may flush: an error
+    assert sorted(report.left_alone) == [
+        "gone-elsewhere.json: its trainer is gone, but it names a server not given (http://server-b:8000)",
+        "live-elsewhere.json: alive"]
