@@ -73,8 +73,8 @@ class ScopedBearer:
     Raises:
         ConfigError: the master secret is too short, too long, or holds CR/LF.
 
-    Calling it with an id that does not match ``SCOPED_ID_PATTERN`` raises ``ConfigError``:
-    such a pair fails and is never sent.
+    Calling it with an id that is not 1-128 letters, digits, ``.``, ``_`` or ``-`` (starting with a
+    letter or digit) raises ``ConfigError``: such a pair fails and is never sent.
 
     Examples:
         ```python

@@ -124,10 +124,11 @@ def _flush_parser() -> Parser:
     # Refused on purpose, without echoing the value: a flag value shows in `ps`.
     parser.add_argument("--secret", "--admin-secret", "--token", dest="secret_flag", nargs="?", const="",
                         help=argparse.SUPPRESS)
-    parser.add_argument("--one-pass", dest="until_idle", action="store_false",
+    rounds = parser.add_mutually_exclusive_group()  # given both, neither silently wins
+    rounds.add_argument("--one-pass", dest="until_idle", action="store_false",
                         help="flush each id once; by default each server is flushed again while its last round "
                              "cancelled something, so runs waiting for a slot never start after the flush")
-    parser.add_argument("--until-idle", dest="until_idle", action="store_true", help=argparse.SUPPRESS)  # 1.0's
+    rounds.add_argument("--until-idle", dest="until_idle", action="store_true", help=argparse.SUPPRESS)  # 1.0's
     parser.set_defaults(until_idle=True)
     parser.add_argument("--version", action="version", version=f"swe-flush {__version__}")
     return parser

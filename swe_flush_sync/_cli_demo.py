@@ -117,6 +117,9 @@ def run_demo(ns: argparse.Namespace) -> int:
         print(f"\nwall time: {report.elapsed:.2f}s in parallel; one by one it would have taken "
               f"{one_by_one:.2f}s (the sum of each flush's own time), {one_by_one / max(report.elapsed, 1e-9):.1f}x "
               f"longer. Trials left running or waiting: {left}.")
+        if left and report.ok and not ns.until_idle:
+            print("(runs that waited for a slot took the slots the flush freed: one pass leaves them running; "
+                  "--until-idle flushes again until a round cancels nothing. Exit status 1.)")
     return EXIT_OK if report.ok and left == 0 else EXIT_FAILED
 
 

@@ -61,7 +61,7 @@ class FlushOptions:
             round in which any of a server's ids answered ``cancelled`` > 0, every id of that
             server is flushed again (slots are shared, so one id's flush lets another id's
             queued runs start), until a round answers 0 for all, the deadline, or
-            ``MAX_ROUNDS`` (64) rounds. A pass starts only after the pair's previous answer. A
+            64 rounds. A pass starts only after the pair's previous answer. A
             server that does not say ``cancelled`` gets one pass. Default False: one pass.
         admin_secret: a static bearer secret; shorthand for ``bearer=StaticBearer(secret)``.
         bearer: a bearer provider (instance id -> token), e.g. ``ScopedBearer``; at most one

@@ -169,7 +169,7 @@ class FlushReport:
         counted = [result.idle for result in self.results if result.idle is not None]
         if counted:  # until_idle
             passes = sum(result.passes for result in self.results)
-            line += f" in {passes} passes, {sum(counted)}/{len(counted)} idle"
+            line += f" in {passes} pass{'' if passes == 1 else 'es'}, {sum(counted)}/{len(counted)} idle"
         if failed:
             listed = "; ".join(str(result) for result in failed[:_SHOWN_FAILURES])
             more = f"; and {len(failed) - _SHOWN_FAILURES} more" if len(failed) > _SHOWN_FAILURES else ""

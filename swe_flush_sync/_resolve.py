@@ -101,7 +101,7 @@ def _add_id(ids: dict[str, None], value: Any, name: str) -> None:
     if value is None or value == "":
         return
     if not isinstance(value, str):
-        raise ConfigError(f"{name} holds a {type(value).__name__} id; ids must be str")
+        raise ConfigError(f"{name} holds an id of type {type(value).__name__} ({value!r:.40}); ids must be str")
     ids[value] = None
 
 
@@ -189,7 +189,7 @@ def normalize_server_urls(urls: str | Iterable[str], source: str = "server_urls"
         pieces = []
         for url in urls:
             if not isinstance(url, str):
-                raise ConfigError(f"{source} holds a {type(url).__name__}; URLs must be str")
+                raise ConfigError(f"{source} holds a value of type {type(url).__name__}; URLs must be str")
             pieces.extend(url.split(","))
     else:
         raise ConfigError(f"{source} must be a str or a sequence of str, not {type(urls).__name__}")

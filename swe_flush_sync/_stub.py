@@ -379,7 +379,7 @@ class AgentServerStub:
             return
         self.add_trials(instance_id, count)
         self._record(handler, None, body, 200)
-        handler.send_json(200, {"started": count})
+        handler.send_json(200, {"running": self.trials(instance_id), "waiting": self.waiting(instance_id)})
 
     def _authorized(self, header: str | None, instance_id: str) -> bool:
         if self.scoped_secret is not None:

@@ -104,6 +104,7 @@ def test_ids_json_from_stdin(stub: AgentServerStub, secret_file: Path, monkeypat
         (["--secret", "hunter2", "--id", "a"], "never taken as a flag value"),
         (["--token=hunter2"], "never taken as a flag value"),
         (["--secret-f", "x"], "unrecognized option(s): --secret-f"),
+        (["--url", "http://h:1", "--id", "a", "--until-idle", "--one-pass"], "not allowed with argument"),
     ],
 )
 def test_usage_and_config_errors_exit_2_one_line(argv: list[str], message: str,
@@ -149,6 +150,14 @@ def test_demo_json(capsys: pytest.CaptureFixture[str]) -> None:
     data = json.loads(out)
     assert code == 0 and data["ok"] and len(data["results"]) == 3 and data["trials_left"] == 0
     assert data["one_by_one_seconds"] >= 3 * 0.1
+
+
+def test_a_one_pass_demo_with_waiting_runs_says_why_it_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["demo", "--instances", "4", "--teardown", "0.05", "--max-concurrent", "4"], capsys)
+    assert code == 1 and "one pass leaves them running" in out and "--until-idle flushes again" in out
+    code, out, _ = run(["demo", "--instances", "4", "--teardown", "0.05", "--max-concurrent", "4", "--until-idle"],
+                       capsys)
+    assert code == 0 and "Trials left running or waiting: 0." in out
 
 
 def test_demo_watchdog_json(capsys: pytest.CaptureFixture[str]) -> None:

@@ -72,11 +72,11 @@ class TestInstanceIds:
 
     @pytest.mark.parametrize("bad", [1, b"a", 2.5, object()])
     def test_non_str_id_in_plural(self, bad: object) -> None:
-        with pytest.raises(ConfigError, match=r"session_server_instance_ids holds a .* id; ids must be str"):
+        with pytest.raises(ConfigError, match=r"session_server_instance_ids holds an id of type .*; ids must be str"):
             resolve_instance_ids(ns(session_server_instance_ids=["ok", bad]))
 
     def test_singular_int(self) -> None:
-        with pytest.raises(ConfigError, match="session_server_instance_id holds a int id"):
+        with pytest.raises(ConfigError, match=r"session_server_instance_id holds an id of type int \(7\)"):
             resolve_instance_ids(ns(session_server_instance_id=7))
 
     @pytest.mark.parametrize("plural", ["abc", b"abc", 5])
@@ -159,7 +159,7 @@ class TestServerUrls:
         assert normalize_server_urls(["http://a:1", "http://b:1,http://a:1/"]) == ("http://a:1", "http://b:1")
         with pytest.raises(ConfigError, match="server_urls: no URL given"):
             normalize_server_urls([])
-        with pytest.raises(ConfigError, match="server_urls holds a int"):
+        with pytest.raises(ConfigError, match="server_urls holds a value of type int"):
             normalize_server_urls([1])  # type: ignore[list-item]
         with pytest.raises(ConfigError, match="must be a str or a sequence of str"):
             normalize_server_urls(5)  # type: ignore[arg-type]

@@ -136,7 +136,7 @@ def test_stub_takes_runs_over_http(slots: AgentServerStub) -> None:
     import requests
 
     answer = requests.post(slots.url + "/trials", json={"session_server_instance_id": "a", "count": 10}, timeout=5)
-    assert answer.json() == {"started": 10} and (slots.trials("a"), slots.waiting("a")) == (8, 2)
+    assert answer.json() == {"running": 8, "waiting": 2} and (slots.trials("a"), slots.waiting("a")) == (8, 2)
     bad = requests.post(slots.url + "/trials", json={"session_server_instance_id": "a", "count": "x"}, timeout=5)
     assert bad.status_code == 422
 
