@@ -50,19 +50,26 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 
 
-USAGE = """swe-flush [--url URL]... [--id ID]... [--ids-json PATH|-] [--secret-file PATH]
-                 [--ca-bundle PATH] [--client-cert PATH [--client-key PATH]]
-                 [--deadline S] [--workers N] [--retries N] [--one-pass] [--json] [-q | -v]
-       swe-flush demo [--instances N] [--teardown S] [--max-concurrent N] [--until-idle] [--watchdog] [--json]
+USAGE = """swe-flush [--url URL]... [--id ID]... [--ids-json PATH|-]
+                 [--secret-file PATH] [--ca-bundle PATH]
+                 [--client-cert PATH [--client-key PATH]] [--deadline S]
+                 [--workers N] [--retries N] [--one-pass] [--json] [-q | -v]
+       swe-flush demo [--instances N] [--teardown S] [--max-concurrent N]
+                      [--until-idle] [--watchdog] [--json]
        swe-flush recover DIR [--url URL]... [--secret-file PATH]
-                             [--ca-bundle PATH] [--client-cert PATH [--client-key PATH]]
-                             [--deadline S] [--workers N] [--retries N] [--json] [-q | -v]
-       swe-flush guard --socket PATH [--ledger DIR] [--drain S] [--heartbeat S] [--takeover-grace S]
-                       [--max-held MIB] [--metrics [HOST:]PORT] [-v]
+                             [--ca-bundle PATH]
+                             [--client-cert PATH [--client-key PATH]]
+                             [--deadline S] [--workers N] [--retries N]
+                             [--json] [-q | -v]
+       swe-flush guard --socket PATH [--ledger DIR] [--drain S]
+                       [--heartbeat S] [--takeover-grace S] [--max-held MIB]
+                       [--metrics [HOST:]PORT] [-v]
        swe-flush guard --socket PATH --status
-       swe-flush doctor [--url URL]... [--guard PATH] [--ledger DIR] [--ca-bundle PATH]
+       swe-flush doctor [--url URL]... [--guard PATH] [--ledger DIR]
+                        [--ca-bundle PATH]
                         [--client-cert PATH [--client-key PATH]] [--json]
-       swe-flush stub [--host H] [--port P] [--teardown S] [--max-concurrent N] [--secret-env VAR]"""
+       swe-flush stub [--host H] [--port P] [--teardown S]
+                      [--max-concurrent N] [--secret-env VAR]"""
 EXIT_INTERRUPTED = 130
 _OPTION_FLAGS = {"servers": "--url", "max_workers": "--workers", "deadline": "--deadline", "retries": "--retries",
                  "ca_bundle": "--ca-bundle", "client_cert's key": "--client-key", "client_cert": "--client-cert"}

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from swe_flush_sync import recover
-from swe_flush_sync._cli import main
+from swe_flush_sync._cli import USAGE, main
 from swe_flush_sync.testing import AgentServerStub
 
 from .conftest import PYTHON, SECRET, subprocess_env
@@ -233,3 +233,17 @@ def test_the_stub_server_is_loaded_only_for_demo_and_stub(stub: AgentServerStub)
     demo = subprocess.run([PYTHON, "-c", probe, "demo", "--instances", "1", "--teardown", "0"], capture_output=True,
                           text=True, env=subprocess_env(), timeout=60)
     assert demo.stdout.splitlines()[-1] == "0 True True", demo.stdout + demo.stderr
+
+
+@pytest.mark.parametrize("command", [[], ["demo"], ["recover"], ["guard"], ["doctor"], ["stub"]])
+def test_help_fits_80_columns(command: list[str]) -> None:
+    out = subprocess.run([PYTHON, "-m", "swe_flush_sync", *command, "--help"], capture_output=True, text=True,
+                         timeout=60, env=subprocess_env(COLUMNS="80"))
+    assert out.returncode == 0 and max(map(len, out.stdout.splitlines())) <= 80, out.stdout
+
+
+def test_the_usage_in_cli_md_is_the_commands_own() -> None:
+    page = (Path(__file__).parent.parent / "docs" / "cli.md").read_text()
+    block = page.split("## Usage\n\n```\n", 1)[1].split("```", 1)[0]
+    documented = [line for line in block.splitlines() if not line.startswith("python -m")]
+    assert " ".join(" ".join(documented).split()) == " ".join(USAGE.split())
