@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
 import inspect
 import json
@@ -55,9 +56,10 @@ def examples() -> list[tuple[str, str, str | None]]:
     found = []
     for page in PAGES:
         text = page.read_text()
-        for number, match in enumerate(BLOCK.finditer(text), 1):
+        for match in BLOCK.finditer(text):
             excerpt = EXCERPT.search(match.group("before"))
-            found.append((f"{page.name}:{number}", match.group("code"), excerpt.group(0) if excerpt else None))
+            line = text.count("\n", 0, match.start("code"))  # the line of its opening fence
+            found.append((f"{page.name}:{line}", match.group("code"), excerpt.group(0) if excerpt else None))
     return found
 
 
@@ -72,7 +74,8 @@ def test_there_are_examples_and_few_excerpts() -> None:
 @pytest.mark.parametrize(("name", "code", "excerpt"), EXAMPLES, ids=[name for name, _, _ in EXAMPLES])
 def test_example_runs(name: str, code: str, excerpt: str | None, stub: AgentServerStub, short_dir: Path) -> None:
     if excerpt is not None:
-        pytest.skip(f"{name} is marked as an excerpt: {excerpt}")
+        pytest.skip(f"the python block at line {name.partition(':')[2]} of {name.partition(':')[0]} is marked "
+                    f"as an excerpt: {excerpt}")
     env = subprocess_env(AGENT_SERVER_URL=stub.url, HARBOR_ADMIN_SECRET=SECRET)
     code = code.replace(LEDGER, f"{short_dir}/checkpoints/")
     if GUARD_SOCKET in code:
@@ -200,3 +203,54 @@ def test_the_reference_renders_examples_as_code() -> None:
     assert [quote for quote in quotes if "<code" in quote or "&gt;&gt;&gt;" in quote] == []
     sections = re.findall(r'doc-section-title">Examples:</span></p>\s*<div class="highlight"><pre>', html)
     assert len(sections) == html.count('doc-section-title">Examples:') >= 15
+
+
+def _transcript(page: str, containing: str) -> list[tuple[str, list[str]]]:
+    """The ``$ command`` lines of the plain ``` block of ``page`` that holds ``containing``, each with its output."""
+    blocks, block, inside = [], [], False
+    for line in (REPO / "docs" / page).read_text().splitlines():
+        if line.startswith("```"):
+            if inside:
+                blocks.append(block)
+            block, inside = [], not inside and line == "```"
+        elif inside:
+            block.append(line)
+    [lines] = [lines for lines in blocks if containing in "\n".join(lines)]
+    steps: list[tuple[str, list[str]]] = []
+    for line in lines:
+        if line.startswith("$ "):
+            steps.append((line[2:], []))
+        else:
+            steps[-1][1].append(line)
+    return steps
+
+
+def test_the_cli_pages_doctor_transcript_is_what_doctor_says(short_dir: Path) -> None:
+    """docs/cli.md's doctor run, command by command (a guard, a ledger, then a wrong bearer): each check
+    says what the page shows (its status and name; the container check's status depends on the host)."""
+    steps = _transcript("cli.md", "$ swe-flush doctor")
+    socket_path, ledger = str(short_dir / "run" / "guard.sock"), short_dir / "ckpt"
+    ledger.mkdir(mode=0o700)
+    guard = spawn([PYTHON, "-m", "swe_flush_sync", "guard", "--socket", socket_path], stdout=subprocess.PIPE,
+                  stderr=subprocess.PIPE, env=subprocess_env())
+    assert read_until(guard, lambda line: line.startswith("guarding "), []) is not None
+    with AgentServerStub(secret=SECRET) as server, contextlib.ExitStack() as ending:
+        ending.callback(guard.wait, 10)
+        ending.callback(guard.kill)
+        script = "".join(f'{command}; rc=$?; echo "::END::"; (exit $rc)\n' for command, _ in steps)
+        env = subprocess_env(AGENT_SERVER_URL=server.url, HARBOR_ADMIN_SECRET=SECRET, SWE_FLUSH_GUARD=socket_path,
+                             SWE_FLUSH_LEDGER=str(ledger),
+                             PATH=os.path.dirname(PYTHON) + os.pathsep + os.environ.get("PATH", ""))
+        run = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    outputs = run.stdout.split("::END::\n")
+    assert len(outputs) == len(steps) + 1, run.stdout + run.stderr
+
+    def checks(lines: list[str]) -> list[str]:
+        said = [" ".join(line.split(":")[0].split()[:2]) for line in lines]  # "ok servers", "fail server"
+        return [("container" if check.endswith(" container") else check) for check in said]
+
+    for (command, shown_lines), output in zip(steps, outputs, strict=False):
+        if command.startswith("echo"):
+            assert output.split() == shown_lines, (command, output)
+        else:
+            assert checks(output.splitlines()) == checks(shown_lines), (command, output)
