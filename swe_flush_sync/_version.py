@@ -1,3 +1,3 @@
 """The package version, in one place (read by setup.cfg and sent as the User-Agent)."""
 
-__version__ = "1.1.0"
+__version__ = "1.2.0"
