@@ -39,3 +39,23 @@ def test_py_typed_shipped() -> None:
     from pathlib import Path
 
     assert (Path(swe_flush_sync.__file__).parent / "py.typed").exists()
+
+
+def test_the_pytest_plugin_loads_no_http_client() -> None:
+    """pytest loads the plugin in every run where the package is installed: it costs the stub, not requests."""
+    import subprocess
+    import sys
+
+    probe = "import sys, swe_flush_sync.pytest_plugin; print(sorted({'requests', 'urllib3'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out
+
+
+def test_every_public_name_is_where_the_type_checker_sees_it() -> None:
+    """The package imports its names on first use; each lazily found name is the one its module defines."""
+    import importlib
+
+    for module, names in swe_flush_sync._HOMES.items():
+        for name in names:
+            assert getattr(swe_flush_sync, name) is getattr(importlib.import_module(module, "swe_flush_sync"), name)
+    assert set(swe_flush_sync._HOME) == set(swe_flush_sync.__all__)
