@@ -68,9 +68,10 @@ def run_checks(urls: list[str] | None = None, guard: str | None = None, ledger: 
     for url in servers:
         checks.append(_server(url, bearer, tls, bearer_failed))
     guard_path = guard if guard is not None else (env.get(GUARD_ENV_VAR) or "").strip() or None
-    guarded = _guard(guard_path, checks)
+    guarded = _guard(guard_path, checks, "--guard" if guard is not None else GUARD_ENV_VAR)
     checks.append(_container(guarded))
-    checks.append(_ledger(ledger if ledger is not None else (env.get(LEDGER_ENV_VAR) or "").strip() or None))
+    checks.append(_ledger(ledger if ledger is not None else (env.get(LEDGER_ENV_VAR) or "").strip() or None,
+                          "--ledger" if ledger is not None else LEDGER_ENV_VAR))
     checks.append(_files())
     checks.extend(_versions())
     return checks
@@ -161,7 +162,7 @@ def _advice(url: str, error: str) -> str:
     return "check that the agent server runs and that this URL reaches it from here"
 
 
-def _guard(path: str | None, checks: list[Check]) -> bool:
+def _guard(path: str | None, checks: list[Check], source: str) -> bool:
     if path is None:
         checks.append(Check("guard", "ok", f"none configured ({GUARD_ENV_VAR} unset): watchdog() starts a local "
                                            "watchdog"))
@@ -173,8 +174,9 @@ def _guard(path: str | None, checks: list[Check]) -> bool:
         checks.append(Check("guard", "fail", f"{exc}; run the guard as this user or root"))
         return False
     except OSError as exc:
-        checks.append(Check("guard", "fail", f"no guard answers at {shown(path)} ({exc.strerror or exc}); start "
-                                             "`swe-flush guard --socket PATH` outside the container first"))
+        checks.append(Check("guard", "fail", f"no guard answers at {shown(path)} (from {source}: "
+                                             f"{exc.strerror or exc}); start `swe-flush guard --socket {shown(path)}` "
+                                             f"outside the container first, or fix {source}"))
         return False
     status = guard_status(path)
     if status is None:
@@ -229,22 +231,24 @@ def _oom_group() -> bool:
         return False
 
 
-def _ledger(folder: str | None) -> Check:
+def _ledger(folder: str | None, source: str) -> Check:
     if folder is None:
         return Check("ledger", "ok", f"none configured ({LEDGER_ENV_VAR} unset): a lost pod or node is not recovered "
                                      "by recover()")
     name = f"ledger {shown(folder)}"
     if not os.path.exists(folder):
-        parent = os.path.dirname(os.path.abspath(folder))
-        if os.access(parent, os.W_OK | os.X_OK):
-            return Check(name, "ok", "missing; it will be made, mode 0700")
-        return Check(name, "fail", f"missing, and {shown(parent)} is not writable: make it, owned by this user")
+        try:  # as the watchdog or guard would make it (an access() check means nothing to root)
+            os.makedirs(folder, mode=0o700)
+        except OSError as exc:
+            return Check(name, "fail", f"missing (from {source}), and it cannot be made ({exc.strerror or exc}): make "
+                                       f"it, owned by this user, or fix {source}")
+        return Check(name, "ok", f"was missing (from {source}); made it here, mode 0700")
     problem = directory_problem(folder)
     if problem is not None:
-        return Check(name, "fail", f"the directory {problem}; recover() would not trust it: make it owned by this "
-                                   "user and writable by no one else (chmod 700)")
+        return Check(name, "fail", f"the directory (from {source}) {problem}; recover() would not trust it: make it "
+                                   "owned by this user and writable by no one else (chmod 700)")
     if not os.access(folder, os.W_OK | os.X_OK):
-        return Check(name, "fail", "not writable by this user")
+        return Check(name, "fail", f"not writable by this user (from {source}): chown it to this user")
     return Check(name, "ok", "owned by this user (or root), writable by no one else, writable here")
 
 

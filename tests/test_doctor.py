@@ -104,7 +104,7 @@ def test_a_guard_that_answers_and_one_that_does_not(stub: AgentServerStub, start
     assert code == 0 and checks["guard"]["status"] == "ok" and f"pid {guard.proc.pid}" in checks["guard"]["detail"]
     assert checks["container"]["status"] == "ok" and "guard" in checks["container"]["detail"]
     code, checks, _ = doctor("--guard", str(short_dir / "nobody.sock"), **{"AGENT_SERVER_URL": stub.url, **ENV})
-    assert code == 1 and "no guard answers" in checks["guard"]["detail"]
+    assert code == 1 and "no guard answers" in checks["guard"]["detail"] and "fix --guard" in checks["guard"]["detail"]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a process of another uid)")
@@ -142,7 +142,11 @@ def test_the_ledger(stub: AgentServerStub, tmp_path: Path) -> None:
     code, checks, _ = doctor(AGENT_SERVER_URL=stub.url, HARBOR_ADMIN_SECRET=SECRET, SWE_FLUSH_LEDGER=str(private))
     assert code == 0 and checks[f"ledger {private}"]["status"] == "ok"
     code, checks, _ = doctor("--ledger", str(tmp_path / "later"), AGENT_SERVER_URL=stub.url, HARBOR_ADMIN_SECRET=SECRET)
-    assert code == 0 and "will be made" in checks[f"ledger {tmp_path / 'later'}"]["detail"]
+    assert code == 0 and "made it here, mode 0700" in checks[f"ledger {tmp_path / 'later'}"]["detail"]
+    assert oct((tmp_path / "later").stat().st_mode & 0o777) == "0o700"
+    code, checks, _ = doctor(AGENT_SERVER_URL=stub.url, HARBOR_ADMIN_SECRET=SECRET, SWE_FLUSH_LEDGER="/proc/ledger")
+    detail = checks["ledger /proc/ledger"]["detail"]  # 1.1 said "it will be made" by asking access(), which root passes
+    assert code == 1 and "cannot be made" in detail and "fix SWE_FLUSH_LEDGER" in detail
 
 
 @needs_unshare
