@@ -210,6 +210,7 @@ class LedgerRecovery:
         self._say, self._say_once, self._metrics = say, say_once, metrics
         self._started = time.monotonic()
         self._watched: dict[tuple[int, int], int] = {}  # (pid, start time) -> a pidfd of a record's live trainer
+        self._unproven: set[str] = set()  # lock files said to prove nothing (once each)
 
     def start(self) -> None:
         threading.Thread(target=self._run, name="swe-flush-guard-recover", daemon=True).start()
@@ -286,6 +287,12 @@ class LedgerRecovery:
         self._watch(record)
         guard_lock, trainer_lock = record.locks()
         if trainer_lock is not None:  # held (alive), or proving nothing: its pids and heartbeat decided ``gone``
+            if trainer_lock.path not in self._unproven and is_held(trainer_lock) is None:
+                if len(self._unproven) >= MAX_WATCHED_PIDS * 64:  # (bounded: an old one may be said again)
+                    self._unproven.clear()
+                self._unproven.add(trainer_lock.path)
+                self._say_once("unproven lock", f"a trainer's lock file {trainer_lock.path} is gone or replaced: it "
+                                                "proves nothing, and the trainer is judged by its pids and heartbeat")
             return False
         if guard_lock is not None and is_held(guard_lock):
             return False  # a live guard keeps it
