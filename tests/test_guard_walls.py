@@ -160,8 +160,8 @@ def test_a_guard_that_cannot_make_its_open_folder_sticky_says_what_to_change(sho
     try:
         assert read_until(guard, lambda line: line.startswith("guarding "), []) is not None
     finally:
-        guard.kill()
-        err = guard.communicate(timeout=10)[1]
+        guard.send_signal(signal.SIGTERM)  # (its lines are written by a thread of its own: a stop waits for them)
+        err = guard.communicate(timeout=15)[1]
     assert f"run `chmod +t {folder}` as its owner" in err and "cannot set it" in err, err
     assert oct(folder.stat().st_mode & 0o7777) == "0o777"
 
