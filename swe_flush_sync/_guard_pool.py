@@ -4,12 +4,14 @@ agent server), and one heap of due times.
 A dead trainer's flush, and each of its requests, is a job keyed by its server(s). Fresh jobs go
 first, taken from the keys in turn, then retries as they fall due, in turn too: a crowd of
 retrying flushes never delays the flush of a trainer that has just died, and the deaths of one
-server never queue ahead of another's. No key runs more than ``share`` jobs at once, so a server
-that never answers holds only its own share of the workers, and every other server finds one
-free. The thread count is fixed at start-up whatever number of trainers die, retry or misbehave;
-a waiting retry costs a heap entry, not a sleeping thread. A worker that cannot be started (a
-pids limit) is tried again when work comes, at most once a second; until one runs, the work waits.
-``KeyedWorkers`` puts a Flusher's requests on such a pool (``Runner``, keyed by their server).
+server never queue ahead of another's. A key runs up to ``share`` (a quarter) of the workers at
+once, and more only while a quarter of them stay idle: one server's crowd of deaths is flushed
+on three quarters of the workers, and a server that never answers holds no more than that, so
+every other server finds a worker free. The thread count is fixed at start-up whatever number
+of trainers die, retry or misbehave; a waiting retry costs a heap entry, not a sleeping thread.
+A worker that cannot be started (a pids limit) is tried again when work comes, at most once a
+second; until one runs, the work waits. ``KeyedWorkers`` puts a Flusher's requests on such a
+pool (a ``Runner``, keyed by their server).
 """
 
 from __future__ import annotations
@@ -30,8 +32,7 @@ from ._threads import start_daemon_thread
 T = TypeVar("T")
 
 DEFAULT_FLUSH_WORKERS: Final = 16  # trainers flushed at once by a guard (their requests share its HTTP workers)
-SHARE_OF_WORKERS: Final = 4  # a key runs at most 1/4 of a pool's workers at once: three servers that never
-# answer leave a fourth its share
+SHARE_OF_WORKERS: Final = 4  # a key's share: 1/4 of a pool's workers, and as many are kept idle for other keys
 START_RETRY: Final = 1.0  # seconds between two attempts to start a worker that failed to start
 
 Job = Callable[[], None]
@@ -63,7 +64,8 @@ class _Queues:
 
 class WorkPool:
     """``workers`` daemon threads running fresh jobs first, then delayed ones as they fall due; each
-    taken from the keys in turn, at most ``workers // SHARE_OF_WORKERS`` (at least 1) of a key at once."""
+    taken from the keys in turn. A key runs ``share`` (``workers // SHARE_OF_WORKERS``, at least 1)
+    jobs at once, and more only while ``share`` workers stay idle for the other keys."""
 
     def __init__(self, name: str, workers: int, on_start_failure: Callable[[str], None]) -> None:
         self._name = name
@@ -75,6 +77,7 @@ class WorkPool:
         self._later: list[tuple[float, int, Hashable, Job]] = []
         self._order = itertools.count()  # equal due times run in submission order; jobs are never compared
         self._busy: collections.Counter[Hashable] = collections.Counter()  # jobs running, per key
+        self._active = 0  # jobs running
         self._changed = threading.Condition()
         self._on_start_failure = on_start_failure
         self._start_failed_at: float | None = None
@@ -123,7 +126,7 @@ class WorkPool:
         self._start_failed_at = None
 
     def _may_run(self, key: Hashable) -> bool:
-        return self._busy[key] < self.share
+        return self._busy[key] < self.share or self._running - self._active - 1 >= self.share
 
     def _next(self) -> tuple[Hashable, Job]:
         with self._changed:
@@ -135,6 +138,7 @@ class WorkPool:
                 taken = self._fresh.take(self._may_run) or self._due.take(self._may_run)
                 if taken is not None:
                     self._busy[taken[0]] += 1
+                    self._active += 1
                     return taken
                 self._changed.wait(self._later[0][0] - now if self._later else None)  # or a key's job ends
 
@@ -145,6 +149,7 @@ class WorkPool:
                 job()
             del job
             with self._changed:
+                self._active -= 1
                 self._busy[key] -= 1
                 if not self._busy[key]:
                     del self._busy[key]

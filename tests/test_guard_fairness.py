@@ -99,32 +99,34 @@ def test_large_trainers_on_a_slow_server_never_delay_another_servers_flush(start
         guard.proc.wait(10)
 
 
-def test_the_pool_takes_keys_in_turn_fresh_before_due_and_within_a_share() -> None:
-    """The scheduler itself: 4 workers, a share of 1 each key; a key's jobs never run two at once."""
+def test_the_pool_keeps_a_share_idle_for_other_keys_and_runs_fresh_jobs_before_due_ones() -> None:
+    """The scheduler itself: 4 workers, a share of 1. A crowd of one key takes 3 (one stays idle), a
+    later key takes that one at once, and the crowd's retry fallen due waits behind its fresh jobs."""
     pool = WorkPool("test-fair", 4, lambda line: None)
-    ran: list[str] = []
+    started: list[str] = []
     running: dict[str, int] = {}
     most: dict[str, int] = {}
     lock, gate = threading.Lock(), threading.Event()
 
     def job(key: str, name: str) -> None:
         with lock:
+            started.append(name)
             running[key] = running.get(key, 0) + 1
             most[key] = max(most.get(key, 0), running[key])
         gate.wait(10)
         with lock:
             running[key] -= 1
-            ran.append(name)
 
-    for number in range(6):  # a key with a crowd of jobs, all waiting on the gate
+    for number in range(6):  # one server's crowd of deaths, all waiting on the gate
         pool.submit(lambda number=number: job("crowd", f"crowd-{number}"), key="crowd")
-    pool.submit(lambda: job("retry", "retry"), delay=0.01, key="retry")
-    pool.submit(lambda: job("late", "late"), key="late")  # submitted last, run before the crowd's second
-    assert wait_until(lambda: running.get("late") == 1 and running.get("retry") == 1, 5.0)
-    assert running["crowd"] == 1
+    assert wait_until(lambda: running.get("crowd") == 3, 5.0)
+    pool.submit(lambda: job("late", "late"), key="late")  # another server's death: the idle worker
+    assert wait_until(lambda: running.get("late") == 1, 5.0)
+    pool.submit(lambda: job("crowd", "crowd-retry"), delay=1e-6, key="crowd")  # due at once, behind its deaths
     gate.set()
-    assert wait_until(lambda: len(ran) == 8 and len(pool) == 0, 10.0)
-    assert most == {"crowd": 1, "retry": 1, "late": 1}
+    assert wait_until(lambda: len(started) == 8 and len(pool) == 0 and not any(running.values()), 10.0)
+    assert most == {"crowd": 3, "late": 1}
+    assert started.index("crowd-retry") > started.index("crowd-5")  # fresh jobs first
 
 
 def _parser_pid(guard_pid: int) -> int:
