@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 DYING_GRACE: Final = 1.0  # seconds past its trainer's deadline a running watchdog is left to flush its record
 DYING_POLL: Final = 0.05  # seconds between two looks at such a record
+WATCHDOG_FLUSHING: Final = "its watchdog is flushing it"  # why such a record is left alone meanwhile
 CLAIM_MARK: Final = ".claim-"  # <record>.json.claim-<host>.<pid>.<start>: being recovered
 BAD_SUFFIX: Final = ".bad"
 STALE_CLAIM: Final = 600.0  # seconds after which a claim made on another host is taken over
@@ -133,7 +134,7 @@ class _Ledger:
         if not gone and record.dying(self.here):  # its watchdog's flush (or death) gets its moment
             until = self.dying.setdefault(name, time.monotonic() + (record.deadline or DEFAULT_DEADLINE) + DYING_GRACE)
             if time.monotonic() < until:
-                self.listed[name] = "its watchdog is flushing it"
+                self.listed[name] = WATCHDOG_FLUSHING
                 return False
             return True
         if not gone:
@@ -142,10 +143,10 @@ class _Ledger:
 
     def wait_for_dying(self) -> None:
         """Until no record's watchdog still has its moment (each record's deadline plus ``DYING_GRACE``)."""
-        while any(why == "its watchdog is flushing it" for why in self.listed.values()):
+        while any(why == WATCHDOG_FLUSHING for why in self.listed.values()):
             time.sleep(DYING_POLL)
             self.listed = {name: why for name, why in self.listed.items()
-                           if why != "its watchdog is flushing it" or self._still_dying(name)}
+                           if why != WATCHDOG_FLUSHING or self._still_dying(name)}
 
     def _still_dying(self, name: str) -> bool:
         try:
@@ -318,7 +319,7 @@ def _recover(ledger: str, servers: str | Iterable[str] | None, environ: Mapping[
     try:
         book = _Ledger(ledger, urls, judge)
         claimed = book.candidates(time.time())
-        if judge is None and "its watchdog is flushing it" in book.listed.values():
+        if judge is None and WATCHDOG_FLUSHING in book.listed.values():
             book.wait_for_dying()
             claimed += book.candidates(time.time())
     except OSError as exc:

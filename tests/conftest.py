@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -291,3 +292,38 @@ def start_guard(short_dir: Path) -> StartGuard:
         return GuardProcess(proc, socket_path, lines)
 
     return start
+
+
+class HungServer:
+    """Accepts every connection and never answers."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0), backlog=512)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.held: list[socket.socket] = []
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        self.sock.settimeout(0.05)
+        while not self._stop.is_set():
+            try:
+                self.held.append(self.sock.accept()[0])
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self.thread.join(2)
+        for held in [*self.held, self.sock]:
+            held.close()
+
+
+@pytest.fixture
+def hung() -> Iterator[HungServer]:
+    server = HungServer()
+    yield server
+    server.close()

@@ -3,17 +3,12 @@ starves a healthy one however many steps."""
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
-from collections.abc import Iterator
-
-import pytest
 
 from swe_flush_sync import Flusher, abort, flush
 from swe_flush_sync.testing import AgentServerStub
 
-from .conftest import SECRET, ours
+from .conftest import SECRET, HungServer, ours
 
 # -- fairness and retries -----------------------------------------------------------------------
 
@@ -61,41 +56,6 @@ def test_three_503s_then_200_fit_in_the_deadline(stub: AgentServerStub) -> None:
     assert all(r.attempts == 4 for r in report.results)
 
 # -- a hung server never starves another one ---------------------------------------------------------
-
-class HungServer:
-    """Accepts every connection and never answers."""
-
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0), backlog=512)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.held: list[socket.socket] = []
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._accept, daemon=True)
-        self.thread.start()
-
-    def _accept(self) -> None:
-        self.sock.settimeout(0.05)
-        while not self._stop.is_set():
-            try:
-                self.held.append(self.sock.accept()[0])
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-
-    def close(self) -> None:
-        self._stop.set()
-        self.thread.join(2)
-        for held in [*self.held, self.sock]:
-            held.close()
-
-
-@pytest.fixture
-def hung() -> Iterator[HungServer]:
-    server = HungServer()
-    yield server
-    server.close()
-
 
 def test_a_hung_server_never_starves_a_healthy_one_however_many_steps(stub: AgentServerStub,
                                                                       hung: HungServer) -> None:

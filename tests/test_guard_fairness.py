@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import Future
 
 import pytest
@@ -21,42 +19,10 @@ from swe_flush_sync._guard_parser import PARSE_TIMEOUT
 from swe_flush_sync._guard_pool import KeyedWorkers, WorkPool
 from swe_flush_sync.testing import AgentServerStub
 
-from .conftest import StartGuard, gone, wait_until
+from .conftest import HungServer, StartGuard, gone, wait_until
 from .helpers import a_state, answer, connect, state_line
 
 BOUND = 1.0  # seconds from a healthy server's trainer's death to its first /flush (1.1: 11.6-58 s)
-
-
-class _BlackHole:
-    """A server that accepts TCP connections and never answers on them."""
-
-    def __init__(self) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0), backlog=1024)
-        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
-        self.accepted: list[socket.socket] = []
-        self._thread = threading.Thread(target=self._accept, daemon=True)
-        self._thread.start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                self.accepted.append(self.listener.accept()[0])
-            except OSError:  # shut down
-                return
-
-    def close(self) -> None:
-        self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept
-        self.listener.close()
-        self._thread.join(10)
-        for conn in self.accepted:
-            conn.close()
-
-
-@pytest.fixture
-def black_hole() -> Iterator[_BlackHole]:
-    hole = _BlackHole()
-    yield hole
-    hole.close()
 
 
 def _dies_holding(path: str, state: dict[str, object]) -> float:
@@ -73,12 +39,12 @@ def _first_flush_after(stub: AgentServerStub, died: float) -> float:
 
 
 def test_deaths_on_a_black_holed_server_never_delay_another_servers_flush(start_guard: StartGuard,
-                                                                           black_hole: _BlackHole) -> None:
+                                                                           hung: HungServer) -> None:
     guard = start_guard()
     for number in range(200):
-        _dies_holding(guard.socket, a_state(urls=[black_hole.url], ids=[f"dead-{number}"], trainer=f"{number:032x}",
+        _dies_holding(guard.socket, a_state(urls=[hung.url], ids=[f"dead-{number}"], trainer=f"{number:032x}",
                                             options={"until_idle": False, "deadline": 30.0}))
-    assert wait_until(lambda: len(black_hole.accepted) >= 4, 10.0)  # its flushes hold their share now
+    assert wait_until(lambda: len(hung.held) >= 4, 10.0)  # its flushes hold their share now
     with AgentServerStub() as healthy:
         died = _dies_holding(guard.socket, a_state(urls=[healthy.url], ids=["healthy"], trainer="f" * 32))
         assert _first_flush_after(healthy, died) < BOUND
