@@ -410,8 +410,9 @@ class Flusher:
             error = f"{reason} while in flight"
         else:
             error = f"deadline passed while in flight (left in flight for up to {self._options.linger:g}s)"
+        spent = time.monotonic() - call.started - sum(p.elapsed for p in track.passes)  # passes add up to the call
         unfinished = FlushResult(*track.pair, ok=False, attempts=token.attempts, error=error, joined=track.joined,
-                                 elapsed=time.monotonic() - call.started)
+                                 elapsed=max(spent, 0.0))
         return _merged([*track.passes, unfinished], idle=idle)
 
     def _transport_now(self) -> Transport:

@@ -458,6 +458,24 @@ def test_large_states_stay_within_the_budget_and_delay_no_death(start_guard: Sta
     assert _hwm_mib(guard.proc.pid) < budget + 160, _hwm_mib(guard.proc.pid)
 
 
+def test_a_long_lines_state_is_checked_as_a_short_ones(start_guard: StartGuard) -> None:
+    """A state over 64 KiB is parsed and checked off the loop, with the same checks and answers."""
+    guard = start_guard()
+    padding = [f"pad-{i:04d}-" + "x" * 100 for i in range(1000)]  # about 110 KiB in all
+    with AgentServerStub() as stub:
+        for ids in (["short", 5], [*padding, 5]):
+            with connect(guard.socket) as peer:
+                peer.sendall(state_line(a_state(urls=[stub.url], ids=ids, trainer=_token(7))))
+                said = answer(peer)
+                assert said.startswith(b"refused ") and b"ids must be a list of str" in said, said
+        state = a_state(urls=[stub.url], ids=padding, trainer=_token(8), options={"until_idle": False, "newer": 1})
+        _dies_holding(guard.socket, state)
+        assert wait_until(lambda: sorted(stub.flushed_ids()) == sorted(padding), 10.0)
+    guard.proc.send_signal(signal.SIGTERM)
+    assert guard.proc.wait(10) == 0
+    assert guard.stderr().count("sent options this guard does not know, dropped: newer") == 1
+
+
 def test_garbage_peers_delay_no_death_and_cost_bounded_threads_and_lines(start_guard: StartGuard) -> None:
     guard = start_guard()
     stop = threading.Event()
