@@ -34,7 +34,7 @@ import threading
 import time
 from pathlib import Path
 
-from swe_flush_sync._wire import PROTOCOL, encode_state
+from swe_flush_sync._process.wire import PROTOCOL, encode_state
 from swe_flush_sync.testing import AgentServerStub
 
 RESULTS = Path(__file__).with_name("guard.md")
@@ -67,7 +67,7 @@ def _rss_mib(pid: int, field: str = "VmRSS") -> float:
 
 
 LIMITED = "import resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024)); " \
-          "from swe_flush_sync._cli import main; sys.exit(main(sys.argv[1:]))"
+          "from swe_flush_sync._cli.main import main; sys.exit(main(sys.argv[1:]))"
 
 
 def _hostile(stub: AgentServerStub, folder: str, kind: str) -> tuple[float, float, float]:

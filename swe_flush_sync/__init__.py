@@ -19,26 +19,26 @@ from typing import TYPE_CHECKING, Any
 from ._version import __version__ as __version__
 
 if TYPE_CHECKING:  # imported on first use (PEP 562): a pytest run that only loads the plugin pays nothing
-    from ._auth import BearerProvider, ScopedBearer, StaticBearer
-    from ._errors import ConfigError, FlushError, FlushFailed
-    from ._flusher import Flusher, flush
-    from ._ledger import recover
-    from ._lifecycle import ExitHook, SignalHook, abort, abort_async, flush_at_exit, flush_on_signal
-    from ._options import DEFAULT_DEADLINE, FlushOptions
-    from ._report import FlushReport, FlushResult
-    from ._resolve import resolve_bearer, resolve_instance_ids, resolve_server_urls
-    from ._watchdog import Watchdog, watchdog
+    from ._core.auth import BearerProvider, ScopedBearer, StaticBearer
+    from ._core.errors import ConfigError, FlushError
+    from ._core.flusher import Flusher, flush
+    from ._core.options import DEFAULT_DEADLINE, FlushOptions
+    from ._core.report import FlushFailed, FlushReport, FlushResult
+    from ._core.resolve import resolve_bearer, resolve_instance_ids, resolve_server_urls
+    from ._hooks import ExitHook, SignalHook, abort, abort_async, flush_at_exit, flush_on_signal
+    from ._recover import recover
+    from ._watchdog.api import Watchdog, watchdog
 
 _HOMES = {
-    "._auth": ("BearerProvider", "ScopedBearer", "StaticBearer"),
-    "._errors": ("ConfigError", "FlushError", "FlushFailed"),
-    "._flusher": ("Flusher", "flush"),
-    "._ledger": ("recover",),
-    "._lifecycle": ("ExitHook", "SignalHook", "abort", "abort_async", "flush_at_exit", "flush_on_signal"),
-    "._options": ("DEFAULT_DEADLINE", "FlushOptions"),
-    "._report": ("FlushReport", "FlushResult"),
-    "._resolve": ("resolve_bearer", "resolve_instance_ids", "resolve_server_urls"),
-    "._watchdog": ("Watchdog", "watchdog"),
+    "._core.auth": ("BearerProvider", "ScopedBearer", "StaticBearer"),
+    "._core.errors": ("ConfigError", "FlushError"),
+    "._core.flusher": ("Flusher", "flush"),
+    "._recover": ("recover",),
+    "._hooks": ("ExitHook", "SignalHook", "abort", "abort_async", "flush_at_exit", "flush_on_signal"),
+    "._core.options": ("DEFAULT_DEADLINE", "FlushOptions"),
+    "._core.report": ("FlushFailed", "FlushReport", "FlushResult"),
+    "._core.resolve": ("resolve_bearer", "resolve_instance_ids", "resolve_server_urls"),
+    "._watchdog.api": ("Watchdog", "watchdog"),
 }
 _HOME = {name: module for module, names in _HOMES.items() for name in names}
 

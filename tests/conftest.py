@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from swe_flush_sync import Watchdog, watchdog
-from swe_flush_sync._lifecycle import _close_cached_flushers
-from swe_flush_sync._proc import process_stat
+from swe_flush_sync._hooks import _close_cached_flushers
+from swe_flush_sync._process.proc import process_stat
 from swe_flush_sync.testing import AgentServerStub
 
 SECRET = "s3cret-token-do-not-leak"

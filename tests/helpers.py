@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from swe_flush_sync._guard import guard_status
-from swe_flush_sync._proc import Place
-from swe_flush_sync._wire import PROTOCOL, encode_state
+from swe_flush_sync._guard.daemon import guard_status
+from swe_flush_sync._process.proc import Place
+from swe_flush_sync._process.wire import PROTOCOL, encode_state
 from swe_flush_sync.testing import AgentServerStub
 
 from .conftest import (

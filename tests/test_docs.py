@@ -38,7 +38,7 @@ LEDGER = "/checkpoints/"
 PRELUDE = """
 import argparse, atexit, logging
 from swe_flush_sync import *
-from swe_flush_sync import _watchdog
+from swe_flush_sync._watchdog import api as _watchdog
 args = argparse.Namespace(session_server_instance_ids={8000: "doc-a", 8001: "doc-b"},
                           session_server_instance_id="doc-c")
 num_steps = 2
@@ -177,7 +177,9 @@ def test_the_slurm_wrapper_flushes_when_term_arrives_not_when_the_trainer_ends(t
 def test_the_configuration_page_lists_every_variable_the_code_reads() -> None:
     """Every environment variable name the package defines (the ``*_ENV_VAR(S)`` constants, the
     only way it reads the environment) has a row on docs/configuration.md, and no row names one it does not read."""
-    from swe_flush_sync import _resolve, _tls, _watchdog
+    from swe_flush_sync._core import resolve as _resolve
+    from swe_flush_sync._core import tls as _tls
+    from swe_flush_sync._watchdog import api as _watchdog
 
     read = {*_resolve.URL_ENV_VARS, *_resolve.SECRET_ENV_VARS, _resolve.RUN_SECRET_ENV_VAR, *_tls.CA_BUNDLE_ENV_VARS,
             _watchdog.LEDGER_ENV_VAR, _watchdog.GUARD_ENV_VAR}
@@ -185,8 +187,8 @@ def test_the_configuration_page_lists_every_variable_the_code_reads() -> None:
     rows = [line for line in page.splitlines() if line.startswith("| `")]
     listed = {name for row in rows for name in re.findall(r"`([A-Z][A-Z0-9_]+)`", row.split(" | ")[0])}
     assert listed == read
-    package = Path(_resolve.__file__).parent  # the package under test: the checkout, or an installed wheel
-    sources = "".join(path.read_text() for path in package.glob("*.py"))
+    package = Path(_resolve.__file__).parent.parent  # the package under test: the checkout, or an installed wheel
+    sources = "".join(path.read_text() for path in package.rglob("*.py"))
     constants = set(re.findall(r"^([A-Z_]*ENV_VARS?): Final = ", sources, re.MULTILINE))
     assert constants == {"URL_ENV_VARS", "SECRET_ENV_VARS", "RUN_SECRET_ENV_VAR", "CA_BUNDLE_ENV_VARS",
                          "LEDGER_ENV_VAR", "GUARD_ENV_VAR"}  # a new one fails here until it is listed above

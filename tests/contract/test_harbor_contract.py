@@ -21,7 +21,7 @@ import pytest
 import requests
 
 from swe_flush_sync import ScopedBearer, abort, flush
-from swe_flush_sync._cli import main
+from swe_flush_sync._cli.main import main
 
 from ..conftest import PYTHON, blocked_in, spawn, subprocess_env
 from .conftest import Harbor

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from swe_flush_sync import FlushReport
-from swe_flush_sync._lifecycle import _close_cached_flushers
+from swe_flush_sync._hooks import _close_cached_flushers
 
 from ..conftest import wait_no_library_threads
 

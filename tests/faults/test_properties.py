@@ -9,7 +9,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from swe_flush_sync import ConfigError, resolve_instance_ids, resolve_server_urls
-from swe_flush_sync._resolve import redact_url
+from swe_flush_sync._core.resolve import redact_url
 
 ids = st.one_of(st.none(), st.just(""), st.text(min_size=1, max_size=8))
 hosts = st.from_regex(r"[a-z][a-z0-9-]{0,10}[a-z0-9]", fullmatch=True)

@@ -1,0 +1,302 @@
+"""What the guard flushes: the trainers whose connection ended, and the ledger's gone owners.
+
+A dead trainer's flush runs on one of a fixed number of flush workers (``WorkPool``) once its
+liveness lock is free, and is retried with backoff (retries wait on one heap of due times, not
+on threads) until every pair is flushed, the record is no longer the guard's own (a ``recover``
+claimed it) or ``RETRY_GIVE_UP`` passes. Every request goes out on the guard's shared HTTP
+workers, at most ``HTTP_WORKERS`` at once. Both are fair by server (``pool``): a server
+that never answers holds a quarter of each, and the deaths and requests of the others go around
+it. With a ledger, a thread recovers the records whose owners are gone, judged by their locks,
+and a predecessor's lockless ones after a grace.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import os
+import select
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Final, NamedTuple
+
+from .._core.errors import ConfigError
+from .._core.failures import unreachable
+from .._core.options import FlushOptions
+from .._core.report import FlushReport
+from .._core.resolve import URL_ENV_VARS, resolve_server_urls
+from .._process.liveness import LockFolder, is_held
+from .._process.proc import Place, process_start_time
+from .._process.record import Record
+from .._process.watch_loop import Channel
+from .._recover import recover_with
+from .pool import KeyedWorkers, WorkPool
+
+if TYPE_CHECKING:
+    from .metrics import GuardMetrics
+
+RECOVER_INTERVAL: Final = 2.0  # seconds between two recovers of the ledger's gone owners
+MAX_WATCHED_PIDS: Final = 64  # live trainers of records (not connected here) whose exit starts a recover at once
+STOP_CHECK: Final = 0.25  # seconds between two looks at ``stop`` while waiting for the next recover
+TAKEOVER_GRACE: Final = 5.0  # seconds a restarted guard waits for a predecessor's lockless trainers to reconnect
+LOCK_RECHECK_MAX: Final = 1.0  # seconds between two looks at the lock of a trainer whose connection ended
+RETRY_FIRST: Final = 1.0  # seconds before the first retry of a failed flush; doubled up to RETRY_MAX
+RETRY_UNREACHABLE: Final = 0.5  # ... but while every failure is a server that refuses connections (its
+# return is met within a second, a request's time included)
+RETRY_MAX: Final = 60.0
+RETRY_REFUSED: Final = 600.0  # seconds between two retries the servers refused with 401/403 (a wrong secret)
+RETRY_GIVE_UP: Final = 24 * 3600.0  # seconds after a death when the guard stops retrying (recover can still)
+HTTP_WORKERS: Final = 36  # requests in flight at once over all the guard's flushes (its shared HTTP threads)
+
+
+class _Retrying(NamedTuple):
+    """A dead trainer's flush that failed: what is left, since when, and the next delay."""
+
+    pairs: dict[str, tuple[str, ...]] | None  # server -> ids; None: all of them
+    died: float
+    attempt: int
+    delay: float
+
+
+class DeathFlushes:
+    """The flushes of trainers whose connection ended without a disarm.
+
+    Args:
+        workers: flush workers (trainers flushed at once).
+        connected: the tokens of the trainers connected now (the guard keeps it): one that connected
+            again is guarded by its new connection.
+        lock_folder: the guard's lock folder, where each trainer's lock is (``channel.lock``).
+        release: called when a channel's flush has ended (its held state and lock file go).
+        say, say_once: a line, and a line said at most once a minute per kind.
+    """
+
+    def __init__(self, workers: int, *, connected: collections.Counter[str],
+                 lock_folder: LockFolder, release: Callable[[Channel], None],
+                 say: Callable[[str], None], say_once: Callable[[str, str], None],
+                 metrics: GuardMetrics | None) -> None:
+        self.pool = WorkPool("swe-flush-guard-flush", workers, say)
+        self.http = KeyedWorkers("swe-flush-guard-http", HTTP_WORKERS, say)  # every flush's requests, by server
+        self._connected = connected
+        self._lock_folder = lock_folder
+        self._release = release
+        self._say, self._say_once, self._metrics = say, say_once, metrics
+        self._flushing: set[Channel] = set()  # dead trainers whose flush runs, waits or waits to be retried
+        self._owned: collections.Counter[str] = collections.Counter()  # ... their tokens: their records are ours
+        self._lock = threading.Lock()  # the loop's thread and the flush workers change _flushing
+        self.retrying: set[Channel] = set()  # flushes that failed and wait to be retried
+
+    def count(self) -> int:
+        """Dead trainers whose flush runs, waits for a worker or waits to be retried."""
+        return len(self._flushing)
+
+    def gone(self, channel: Channel) -> None:
+        """``channel`` ended without a disarm: flush its trainer's last state (once its lock is free)."""
+        with self._lock:
+            self._flushing.add(channel)
+            if channel.token is not None:
+                self._owned[channel.token] += 1
+        self.pool.submit(functools.partial(self._flush_once_gone, channel, time.monotonic(), 0.01),
+                         key=_servers(channel, None))
+
+    def owns(self, token: str) -> bool:
+        """Is the flush of the trainer with ``token`` this guard's now (run, queued or to be retried)?
+        Its record is then left to it: one owner at a time, never the recovery pass too."""
+        return token in self._owned
+
+    def _flush_once_gone(self, channel: Channel, ended: float, recheck: float) -> None:
+        """Flush once the trainer's lock is free (a held lock is a live trainer: at a death the kernel
+        may close the socket a moment before the lock). A trainer that connected again meanwhile is
+        guarded by its new connection; no lock, or one that cannot be examined: the end of the
+        connection is the death."""
+        lock = channel.lock
+        if lock is not None and channel.token in self._connected:
+            self._done(channel)
+            return
+        if lock is not None and self._lock_folder.held(lock):
+            self.pool.submit(functools.partial(self._flush_once_gone, channel, ended,
+                                               min(recheck * 2, LOCK_RECHECK_MAX)), recheck, _servers(channel, None))
+            return
+        self._flush(channel, _Retrying(None, ended, 1, RETRY_FIRST))
+
+    def _flush(self, channel: Channel, retry: _Retrying) -> None:
+        """One attempt at a dead trainer's flush, on a flush worker. A failed one is put back on the
+        heap with backoff (``/flush`` is idempotent; 401/403 slowly) until every pair is flushed, the
+        record is no longer the guard's, or ``RETRY_GIVE_UP`` has passed since the death."""
+        who = f"trainer {channel.who}"
+        if retry.attempt > 1 and channel.keeper is not None and not os.path.exists(channel.keeper.path):
+            self._done(channel)  # a recover claimed the record (and flushed it), or it was removed
+            self._say_once("claimed", f"{who}: its record was taken by a recover or removed; retries end")
+            return
+        try:
+            report = channel.flush(retry.pairs, max_workers=HTTP_WORKERS, retries=0,  # the guard retries itself
+                                   workers=self.http)
+        except Exception as exc:  # noqa: BLE001 - one trainer's failure must not stop the guard
+            report, why, refused, away = None, f"the flush failed: {type(exc).__name__}", False, False
+            if self._metrics is not None:
+                self._metrics.flushed(None)
+        else:
+            if self._metrics is not None and report is not None:
+                self._metrics.flushed(report)
+            if report is None or report.ok:
+                if self._metrics is not None and report is not None:
+                    self._metrics.death_to_flush.observe(time.monotonic() - retry.died)
+                channel.settle(report)
+                self._done(channel)
+                if report is not None:
+                    again = f" (attempt {retry.attempt})" if retry.attempt > 1 else ""
+                    self._say(f"{who} gone; {report.summary()}{again}")
+                return
+            failed = [result for result in report.results if not result.ok]
+            refused = all(result.status_code in (401, 403) for result in failed)
+            away = all(unreachable(result.error) for result in failed)
+            why = report.summary()
+            retry = retry._replace(pairs=_failed_pairs(report))
+        if retry.attempt == 1:
+            channel.mark_gone()
+            self.retrying.add(channel)
+        delay = RETRY_REFUSED if refused else RETRY_UNREACHABLE if away else retry.delay
+        if time.monotonic() + delay - retry.died > RETRY_GIVE_UP:
+            self._done(channel)
+            self._say(f"{who} gone; {why}; gave up retrying after {RETRY_GIVE_UP / 3600:g} h: its record stays "
+                      "for recover")
+            return
+        self._say_once("retrying", f"{who} gone; {why}; retrying in {delay:g} s (every {RETRY_FIRST:g}-"
+                                   f"{RETRY_MAX:g} s, {RETRY_UNREACHABLE:g} s while refused, {RETRY_REFUSED:g} s "
+                                   "after 401/403) until it is flushed")
+        self.pool.submit(functools.partial(self._flush, channel, retry._replace(
+            attempt=retry.attempt + 1, delay=retry.delay if away else min(retry.delay * 2, RETRY_MAX))), delay,
+            _servers(channel, retry.pairs))
+
+    def _done(self, channel: Channel) -> None:
+        self.retrying.discard(channel)
+        with self._lock:
+            if channel in self._flushing:
+                self._flushing.discard(channel)
+                if channel.token is not None:
+                    self._owned[channel.token] -= 1
+                    if self._owned[channel.token] <= 0:
+                        del self._owned[channel.token]
+        self._release(channel)
+
+
+def _servers(channel: Channel, pairs: dict[str, tuple[str, ...]] | None) -> tuple[str, ...]:
+    """The servers a dead trainer's flush (``pairs``, None: all) goes to: its key in the flush workers."""
+    return tuple(pairs) if pairs is not None else tuple((channel.state or {}).get("urls") or ())
+
+
+def _failed_pairs(report: FlushReport) -> dict[str, tuple[str, ...]]:
+    """Server -> the ids whose flush did not succeed."""
+    failed: dict[str, list[str]] = {}
+    for result in report.results:
+        if not result.ok:
+            failed.setdefault(result.server_url, []).append(result.instance_id)
+    return {url: tuple(ids) for url, ids in failed.items()}
+
+
+class LedgerRecovery:
+    """Recovers the ledger's records whose owners are gone, on a daemon thread, until ``stop`` is set:
+    at once (a dead trainer's free lock says so), then every ``RECOVER_INTERVAL``, and at once when a
+    live trainer of a record that no connection watches exits (up to ``MAX_WATCHED_PIDS`` of them,
+    each held by a pidfd: the kernel's word, never a pid that could be reused); a predecessor's
+    lockless records only after ``grace`` seconds (its trainers may reconnect meanwhile)."""
+
+    def __init__(self, ledger: str, *, grace: float, connected: collections.Counter[str],
+                 owns: Callable[[str], bool], stop: threading.Event,
+                 http: KeyedWorkers, say: Callable[[str], None],
+                 say_once: Callable[[str, str], None], metrics: GuardMetrics | None) -> None:
+        self._ledger, self._grace, self._connected, self._stop, self._http = ledger, grace, connected, stop, http
+        self._owns = owns
+        self._say, self._say_once, self._metrics = say, say_once, metrics
+        self._started = time.monotonic()
+        self._watched: dict[tuple[int, int], int] = {}  # (pid, start time) -> a pidfd of a record's live trainer
+        self._unproven: set[str] = set()  # lock files said to prove nothing (once each)
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="swe-flush-guard-recover", daemon=True).start()
+
+    def _run(self) -> None:
+        said_no_server = not resolve_server_urls(os.environ)
+        if said_no_server:  # said at once, not after the grace
+            self._say(f"cannot recover the ledger: no agent server named ({' and '.join(URL_ENV_VARS)} unset); "
+                      "guarding goes on")
+        options = FlushOptions(until_idle=True, linger=0.0)
+        while not self._stop.is_set():
+            claimed: list[int] = []
+            try:
+                report = recover_with(self._ledger, None, os.environ, options, judge=self._judge,
+                                      on_claimed=claimed.append, quiet=True, workers=self._http)
+                if claimed:
+                    self._said_recovered(claimed[0], report)
+                elif report.error:
+                    self._say_once("recover", f"recovering the ledger: {report.error}")
+            except ConfigError as exc:
+                if not said_no_server:
+                    said_no_server = True
+                    self._say(f"cannot recover the ledger: {exc}; guarding goes on")
+            except Exception as exc:  # noqa: BLE001 - a recover that fails must not stop the guard
+                self._say_once("recover failed", f"recovering the ledger failed: {type(exc).__name__}")
+            self._wait_for_an_exit()
+
+    def _wait_for_an_exit(self) -> None:
+        """Until the next pass is due, a watched trainer exits, or ``stop``; the pidfds are closed after."""
+        poller = select.poll()
+        for fd in self._watched.values():
+            poller.register(fd, select.POLLIN)
+        due = time.monotonic() + RECOVER_INTERVAL
+        try:
+            while not self._stop.is_set() and (left := due - time.monotonic()) > 0:
+                if poller.poll(1000 * min(left, STOP_CHECK)):
+                    return
+        finally:
+            for fd in self._watched.values():
+                os.close(fd)
+            self._watched.clear()
+
+    def _watch(self, record: Record) -> None:
+        """Hold a pidfd of the record's trainer while it is the live process the record names, here."""
+        key = (record.pid, record.start_time or 0)
+        if (key in self._watched or len(self._watched) >= MAX_WATCHED_PIDS or record.start_time is None
+                or record.place != Place.here()):
+            return
+        try:
+            fd = os.pidfd_open(record.pid)
+        except (OSError, AttributeError):  # gone already, or no pidfd (Linux < 5.3): the next pass
+            return
+        if process_start_time(record.pid) != record.start_time:  # checked once the pidfd holds it: not reused
+            os.close(fd)
+            return
+        self._watched[key] = fd
+
+    def _said_recovered(self, records: int, report: FlushReport) -> None:
+        """A recover pass that claimed records: a line like a trainer's death, and the flush metrics."""
+        if self._metrics is not None:
+            self._metrics.recovered.inc(records)
+            self._metrics.flushed(report)
+        self._say(f"recovered {records} record(s) of trainers gone; {report.summary()}")
+
+    def _judge(self, record: Record, gone: bool) -> bool:
+        """A trainer connected to this guard is never gone; a record that names a trainer's lock is as
+        the lock says, else (the file gone or replaced) as its pids and heartbeat say; a lockless
+        predecessor's record (its guard gone, here) whose trainer has not reconnected within the
+        grace is gone, whatever its heartbeat says."""
+        if record.trainer is not None and (record.trainer in self._connected or self._owns(record.trainer)):
+            return False  # guarded by its connection, or its flush is this guard's own (retried with backoff)
+        if gone:
+            return True
+        self._watch(record)
+        guard_lock, trainer_lock = record.locks()
+        if trainer_lock is not None:  # held (alive), or proving nothing: its pids and heartbeat decided ``gone``
+            if trainer_lock.path not in self._unproven and is_held(trainer_lock) is None:
+                if len(self._unproven) >= MAX_WATCHED_PIDS * 64:  # (bounded: an old one may be said again)
+                    self._unproven.clear()
+                self._unproven.add(trainer_lock.path)
+                self._say_once("unproven lock", f"a trainer's lock file {trainer_lock.path} is gone or replaced: it "
+                                                "proves nothing, and the trainer is judged by its pids and heartbeat")
+            return False
+        if guard_lock is not None and is_held(guard_lock):
+            return False  # a live guard keeps it
+        predecessor = (record.trainer is not None and record.watchdog_pid != os.getpid()
+                       and record.place == Place.here()
+                       and process_start_time(record.watchdog_pid or 0) != record.watchdog_start_time)
+        return predecessor and time.monotonic() - self._started >= self._grace

@@ -1,0 +1,190 @@
+"""Liveness a lock proves: a trainer armed through a guard, and a guard itself, hold an exclusive
+``flock`` on a file in the guard's own lock folder for as long as they live.
+
+The kernel releases a ``flock`` exactly when the last descriptor of its open file closes: at the
+holder's death, however it dies, in whatever PID namespace it runs, and never while it is merely
+stopped or frozen (a Slurm suspend, a debugger, a C call holding the GIL). So a held lock proves
+its holder alive, and a free one proves it gone; no timer or pid is consulted.
+
+Only the guard names these files. Its folder (``PATH.locks``, mode 0700, its uid) is checked at
+every open (``O_NOFOLLOW``, ``fstat``); for each trainer it creates a file of a random name
+(``O_EXCL``), locks it, passes the open descriptor to the trainer over the socket
+(``SCM_RIGHTS``) and closes its own: the trainer's copy then holds the lock alone. A record names
+the file and its inode; a file that is gone, or is not that inode, or sits in a folder others may
+write, proves nothing (None): its trainer is judged as a lockless one is. Where ``flock`` is
+unsupported (some NFS and FUSE mounts), nothing is proven either. Standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import secrets
+import stat
+from typing import Final, NamedTuple
+
+from .trust import ownership_problem
+
+LOCKS_SUFFIX: Final = ".locks"
+UNSUPPORTED: Final = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS})
+
+
+class LockFile(NamedTuple):
+    """A lock file as a record names it: its path and its inode (``DEV:INO``)."""
+
+    path: str
+    inode: str
+
+
+def lock_folder_path(socket_path: str) -> str:
+    """The lock folder of the guard at ``socket_path``."""
+    return socket_path + LOCKS_SUFFIX
+
+
+def folder_problem(info: os.stat_result) -> str | None:
+    """What makes a lock folder untrustworthy (another user could rename a file in it), or None."""
+    if not stat.S_ISDIR(info.st_mode):
+        return "is not a directory"
+    if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        return f"is open to its group or others (mode {stat.S_IMODE(info.st_mode):04o}, not 0700)"
+    return ownership_problem(info)
+
+
+def _inode(info: os.stat_result) -> str:
+    return f"{info.st_dev}:{info.st_ino}"
+
+
+def _open_folder(path: str) -> int:
+    """The folder at ``path`` opened (not through a symbolic link), checked; ``OSError`` when it may not be believed."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    problem = folder_problem(os.fstat(fd))
+    if problem is not None:
+        os.close(fd)
+        raise OSError(errno.EPERM, f"{path} {problem}")
+    return fd
+
+
+class LockFolder:
+    """The guard's lock folder: made 0700 if missing, held open and share-locked (``systemd-tmpfiles``
+    skips a folder that is locked) for the guard's life."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd: int | None = None
+
+    def open(self) -> None:
+        """Make (0700) or open the folder and check it. ``OSError`` (its message says why) when it cannot be used."""
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(self.path, 0o700)
+        fd = _open_folder(self.path)
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        self._fd = fd
+
+    def create(self, prefix: str) -> tuple[int, LockFile]:
+        """A new lock file (a random name after ``prefix``, 0600), exclusively locked: its descriptor
+        and how a record names it. ``OSError`` when it cannot be made or locked."""
+        if self._fd is None:
+            raise OSError(errno.EBADF, "the lock folder is not open")
+        name = prefix + secrets.token_hex(16)
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self._fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd, LockFile(os.path.join(self.path, name), _inode(os.fstat(fd)))
+        except OSError:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=self._fd)
+            raise
+
+    def held(self, lock: LockFile) -> bool | None:
+        """``is_held`` of a lock file of this folder, through the folder this guard opened and checked."""
+        folder, name = os.path.split(lock.path)
+        if self._fd is None or folder != self.path:
+            return None
+        return _held_in(self._fd, name, lock.inode)
+
+    def remove(self, lock: LockFile) -> None:
+        """Remove a lock file of this folder, if it is still the one ``lock`` names; never raises."""
+        folder, name = os.path.split(lock.path)
+        if self._fd is None or folder != self.path:
+            return
+        with contextlib.suppress(OSError):
+            if _inode(os.stat(name, dir_fd=self._fd, follow_symlinks=False)) == lock.inode:
+                os.unlink(name, dir_fd=self._fd)
+
+    def touch(self) -> None:
+        """Set the folder's and its files' times to now, so that an age-based cleaner leaves them; never raises."""
+        if self._fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.utime(self._fd)
+            for name in os.listdir(self._fd):
+                with contextlib.suppress(OSError):
+                    os.utime(name, dir_fd=self._fd, follow_symlinks=False)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
+
+
+def is_held(lock: LockFile) -> bool | None:
+    """True when a live process holds ``lock``, False when none does (its holder is gone), None when
+    that cannot be told: its folder may not be believed, the file is gone or is another inode, or
+    the file system has no ``flock``."""
+    folder, name = os.path.split(lock.path)
+    try:
+        folder_fd = _open_folder(folder)
+    except OSError:
+        return None
+    try:
+        return _held_in(folder_fd, name, lock.inode)
+    finally:
+        os.close(folder_fd)
+
+
+def _held_in(folder_fd: int, name: str, inode: str) -> bool | None:
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=folder_fd)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if _inode(info) != inode or ownership_problem(info) is not None:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # released at once by the close below
+        except BlockingIOError:
+            return True
+        except OSError:
+            return None
+        return False
+    finally:
+        os.close(fd)
+
+
+def remove_if_free(lock: LockFile) -> None:
+    """Remove a lock file whose holder is gone (a recovered record's): only the inode the record
+    names, in a folder that may be believed, and only while nobody holds its lock; never raises."""
+    folder, name = os.path.split(lock.path)
+    with contextlib.suppress(OSError):
+        folder_fd = _open_folder(folder)
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=folder_fd)
+            try:
+                if _inode(os.fstat(fd)) == lock.inode:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: held, left alone
+                    os.unlink(name, dir_fd=folder_fd)
+            finally:
+                os.close(fd)
+        finally:
+            os.close(folder_fd)
+
+
+def record_lock(path: object, inode: object) -> LockFile | None:
+    """The lock a record names, when it names one whole."""
+    return LockFile(path, inode) if isinstance(path, str) and isinstance(inode, str) else None

@@ -1,0 +1,264 @@
+"""A ledger record: one trainer's servers and ids (never a secret), and how to tell it is gone.
+
+A watchdog or a guard keeps one record a trainer in the ledger folder (``RecordKeeper``: written
+at each state and heartbeat, removed once flushed); ``recover`` reads them (``Record.read``) and
+flushes those whose owner is gone. Standard library only (the watchdog process imports it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import json
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from .._core.errors import ConfigError
+from .._core.resolve import normalize_instance_ids, normalize_server_urls
+from .liveness import LockFile, is_held, record_lock
+from .proc import Place, alive, process_start_time
+from .trust import ownership_problem
+from .wire import MAX_STATE_BYTES
+
+RECORD_VERSION: Final = 1
+RECORD_SUFFIX: Final = ".json"
+GUARD_RECORD_PREFIX: Final = "trainer-"  # a guard's record: trainer-<the token's digest>.json, one per trainer
+DEFAULT_HEARTBEAT: Final = 10.0  # seconds between two heartbeats of a record
+STALE_HEARTBEATS: Final = 3  # an owner elsewhere is gone when its heartbeat is older than this many intervals
+
+
+class BadRecord(Exception):
+    """A record that cannot be used; the message says why (never its content). Moved aside."""
+
+
+class UntrustedRecord(Exception):
+    """A record that someone else could have written; the message says why. Left alone."""
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One trainer's record: where its ids live and how to tell whether it is gone.
+
+    ``set_aside`` (read only) says why some of the values in the file's ids were not taken.
+    """
+
+    urls: tuple[str, ...]
+    ids: tuple[str, ...]
+    place: Place
+    pid: int
+    start_time: int | None
+    watchdog_pid: int | None  # its keeper: a watchdog, or a guard
+    watchdog_start_time: int | None
+    heartbeat: float
+    heartbeat_interval: float
+    trainer: str | None = None  # the trainer's token's digest (a guard's record), None for a watchdog's
+    gone: bool = False  # its keeper saw the trainer die and has not flushed it yet
+    trainer_lock: str | None = None  # a guard's record: the trainer's lock file (held while it lives)
+    trainer_lock_inode: str | None = None  # ... and its inode (DEV:INO): another file there proves nothing
+    guard_lock: str | None = None  # ... and the lock of the guard that keeps it (held while that guard lives)
+    guard_lock_inode: str | None = None
+    deadline: float | None = None  # seconds its keeper's flush takes at most (the trainer's ``deadline``)
+    set_aside: str | None = None
+
+    def write(self, path: str) -> None:
+        """Write it to ``path`` atomically: a temporary file beside it, fsync, rename, fsync the folder."""
+        fields = {"version": RECORD_VERSION, **dataclasses.asdict(self), **dataclasses.asdict(self.place)}
+        del fields["place"], fields["set_aside"]
+        folder = os.path.dirname(path) or "."
+        temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, json.dumps(fields).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temporary, path)
+        with contextlib.suppress(OSError):
+            dir_fd = os.open(folder, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+
+    @classmethod
+    def read(cls, path: str) -> Record:
+        """Read and check the record at ``path``: its ids as ``abort`` takes ids, its URLs as ``flush`` does.
+
+        Raises:
+            FileNotFoundError: it is gone (another recover claimed it).
+            UntrustedRecord: another user owns it or may write it, or it is a symbolic link.
+            BadRecord: it cannot be read or is not a valid record (the message says what is wrong).
+        """
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise UntrustedRecord("is a symbolic link") from None
+            raise BadRecord(f"cannot be read ({exc.strerror or type(exc).__name__})") from None
+        try:
+            problem = ownership_problem(os.fstat(fd))  # of the file opened, not of whatever the path names now
+            if problem is not None:
+                raise UntrustedRecord(problem)
+            with os.fdopen(fd, "rb", closefd=False) as handle:
+                data = handle.read(MAX_STATE_BYTES + 1)
+        except OSError as exc:
+            raise BadRecord(f"cannot be read ({exc.strerror or type(exc).__name__})") from None
+        finally:
+            os.close(fd)
+        if len(data) > MAX_STATE_BYTES:
+            raise BadRecord(f"is larger than {MAX_STATE_BYTES} bytes")
+        try:
+            raw = json.loads(data)
+        except ValueError:
+            raise BadRecord("is not JSON") from None
+        if not isinstance(raw, dict) or raw.get("version") != RECORD_VERSION:
+            raise BadRecord(f"is not a version {RECORD_VERSION} record")
+        return cls._from_fields(raw)
+
+    @classmethod
+    def _from_fields(cls, raw: dict[str, Any]) -> Record:
+        ids, invalid = _valid_ids(_field(raw, "ids", list))
+        try:
+            urls = normalize_server_urls(_field(raw, "urls", list), "the record's urls")
+        except ConfigError as exc:
+            raise BadRecord(str(exc)) from None
+        number = (int, type(None))
+        text = {name: raw.get(name) if isinstance(raw.get(name), str) else None
+                for name in ("trainer", "trainer_lock", "trainer_lock_inode", "guard_lock", "guard_lock_inode")}
+        return cls(urls=urls, ids=ids, gone=raw.get("gone") is True, **text,
+                   place=Place(_field(raw, "host", str), _field(raw, "boot_id", (str, type(None))),
+                               raw.get("pid_ns") if isinstance(raw.get("pid_ns"), int) else None),
+                   pid=_field(raw, "pid", int), start_time=_field(raw, "start_time", number),
+                   watchdog_pid=_field(raw, "watchdog_pid", number),
+                   watchdog_start_time=_field(raw, "watchdog_start_time", number),
+                   heartbeat=float(_field(raw, "heartbeat", (int, float))),
+                   heartbeat_interval=float(_field(raw, "heartbeat_interval", (int, float))),
+                   deadline=float(raw["deadline"]) if type(raw.get("deadline")) in (int, float) else None,
+                   set_aside=f"{invalid} of its ids set aside (not text)" if invalid else None)
+
+    def locks(self) -> tuple[LockFile | None, LockFile | None]:
+        """The guard's lock and the trainer's that the record names (None for a watchdog's record)."""
+        return (record_lock(self.guard_lock, self.guard_lock_inode),
+                record_lock(self.trainer_lock, self.trainer_lock_inode))
+
+    def owner_gone(self, here: Place, now: float) -> bool:
+        """Marked gone by its keeper; else what the locks prove (a live guard's record is its own; a
+        trainer lives while its lock is held); else, in this host, boot and PID namespace, its keeper
+        is not alive and the trainer is dead; else (elsewhere, or a pid its guard could not see) the
+        heartbeat is stale."""
+        if self.gone:
+            return True
+        guard_lock, trainer_lock = self.locks()
+        if guard_lock is not None and is_held(guard_lock):
+            return False
+        trainer_alive = is_held(trainer_lock) if trainer_lock is not None else None
+        if trainer_alive is not None:
+            return not trainer_alive
+        if here.boot_id is not None and here.pid_ns is not None and self.place == here:
+            if alive(self.watchdog_pid, self.watchdog_start_time):
+                return False
+            if self.start_time is not None:
+                return not alive(self.pid, self.start_time)
+        return self.stale(now)
+
+    def dying(self, here: Place) -> bool:
+        """In this host, boot and PID namespace: its trainer is dead and its watchdog still runs (flushing
+        it, or killed with it a moment ago and not yet gone)."""
+        return (here.boot_id is not None and here.pid_ns is not None and self.place == here and not self.gone
+                and self.start_time is not None and not alive(self.pid, self.start_time)
+                and alive(self.watchdog_pid, self.watchdog_start_time))
+
+    def stale(self, now: float) -> bool:
+        """Is its heartbeat older than ``STALE_HEARTBEATS`` intervals?"""
+        return now - self.heartbeat > STALE_HEARTBEATS * self.heartbeat_interval
+
+
+def _valid_ids(values: list[Any]) -> tuple[tuple[str, ...], int]:
+    """The ids a flush may take (``abort``'s rule), deduplicated, and how many values were not ids."""
+    ids: dict[str, None] = {}
+    invalid = 0
+    for value in values:
+        try:
+            ids.update(dict.fromkeys(normalize_instance_ids([value])))
+        except ConfigError:
+            invalid += 1
+    return tuple(ids), invalid
+
+
+def _field(raw: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    """``raw[name]`` if it is of ``kind`` (a missing key reads as None), else ``BadRecord``."""
+    value = raw.get(name)
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise BadRecord(f"has no valid {name!r}")
+    return value
+
+
+def _path(lock: LockFile | None) -> str | None:
+    return lock.path if lock is not None else None
+
+
+def _inode(lock: LockFile | None) -> str | None:
+    return lock.inode if lock is not None else None
+
+
+class RecordKeeper:
+    """One trainer's record in a ledger folder, kept by its watchdog or guard: ``update`` takes a
+    state, ``write`` and ``remove`` do the file I/O. A guard's record is named by the trainer's
+    ``token`` (its digest: see ``checked_state``); a watchdog's by the trainer's host, pid and start
+    time, and its own pid."""
+
+    def __init__(self, folder: str, trainer_pid: int, heartbeat: float, token: str | None = None,
+                 locks: Mapping[str, LockFile | None] | None = None) -> None:
+        me, locks = os.getpid(), locks or {}
+        self._base = Record(urls=(), ids=(), place=Place.here(), pid=trainer_pid,
+                            start_time=process_start_time(trainer_pid) if trainer_pid > 0 else None,
+                            watchdog_pid=me, watchdog_start_time=process_start_time(me), heartbeat=0.0,
+                            heartbeat_interval=heartbeat, trainer=token,
+                            trainer_lock=_path(locks.get("trainer_lock")),
+                            trainer_lock_inode=_inode(locks.get("trainer_lock")),
+                            guard_lock=_path(locks.get("guard_lock")), guard_lock_inode=_inode(locks.get("guard_lock")))
+        self.heartbeat = heartbeat
+        self.gone = False  # the trainer is gone and its flush has not succeeded yet: any recover may take it
+        if token is not None:
+            name = f"{GUARD_RECORD_PREFIX}{token}{RECORD_SUFFIX}"
+        else:
+            host = "".join(ch if ch.isalnum() or ch in "-." else "_" for ch in self._base.place.host)[:64] or "host"
+            name = f"{host}.{trainer_pid}.{self._base.start_time or 0}.{me}{RECORD_SUFFIX}"
+        self.path = os.path.join(folder, name)
+        self._state: Mapping[str, Any] = {}
+
+    def update(self, state: Mapping[str, Any]) -> None:
+        """The state the next ``write`` records."""
+        self._state = state
+
+    def write(self) -> None:
+        """Write (or rewrite) the record with the last state's servers and ids and a fresh heartbeat."""
+        state = self._state
+        deadline = (state.get("options") or {}).get("deadline")
+        dataclasses.replace(self._base, urls=tuple(state.get("urls", ())), ids=tuple(state.get("ids", ())),
+                            heartbeat=time.time(), gone=self.gone,
+                            deadline=float(deadline) if isinstance(deadline, (int, float)) else None).write(self.path)
+
+    def remove(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+    def remove_older(self) -> None:
+        """Remove this trainer's records kept by watchdogs that are gone."""
+        if self._base.trainer is not None:
+            return
+        folder, mine = os.path.split(self.path)
+        prefix = mine[:-len(RECORD_SUFFIX)].rpartition(".")[0] + "."
+        with contextlib.suppress(OSError):
+            for name in os.listdir(folder):
+                keeper = name[len(prefix):-len(RECORD_SUFFIX)]
+                if name != mine and name.startswith(prefix) and name.endswith(RECORD_SUFFIX) and keeper.isdigit() \
+                        and process_start_time(int(keeper)) is None:
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(folder, name))

@@ -1,0 +1,1 @@
+"""``swe-flush guard`` (swe_flush_sync/_guard/): a daemon with real peers, deaths and faults."""
