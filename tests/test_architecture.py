@@ -46,7 +46,9 @@ def test_the_watchdog_process_waits_on_the_standard_library_alone() -> None:
     others = {name.split(".")[0] for name in loaded} - {"_swe_flush_watchdog", "script"}  # what it imported
     assert others <= set(sys.stdlib_module_names) | set(sys.builtin_module_names), others - set(sys.stdlib_module_names)
     assert {".".join(name.split(".")[1:2]) for name in ours} <= {"", "_core", "_process"}, ours
-    assert "_swe_flush_watchdog._core.flusher" not in ours and "swe_flush_sync" not in loaded
+    core = {name.split(".")[2] for name in ours if name.startswith("_swe_flush_watchdog._core.")}
+    assert core <= {"errors", "resolve", "auth", "text"}, core  # as docs/architecture.md says
+    assert "swe_flush_sync" not in loaded
 
 
 def test_the_architecture_page_shows_the_code() -> None:

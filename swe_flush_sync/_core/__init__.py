@@ -2,5 +2,5 @@
 deadline, and reports each one. Everything above it calls ``Flusher``; it imports nothing above.
 
 Imports nothing here: the watchdog process imports the standard-library-only modules of this
-package (``errors``, ``report``, ``text``, ``auth``, ``resolve``) while it waits, and no more.
+package (``errors``, ``resolve``, ``auth``, ``text``) while it waits, and no more.
 """
