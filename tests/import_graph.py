@@ -16,7 +16,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Final
 
-PACKAGE = Path(__file__).resolve().parent.parent / "swe_flush_sync"
+import swe_flush_sync
+
+PACKAGE = Path(swe_flush_sync.__file__).resolve().parent  # the package under test: the checkout, or a wheel
 
 
 def module_names(package: Path = PACKAGE) -> dict[str, Path]:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from .conftest import PYTHON, subprocess_env
-from .import_graph import MAY_IMPORT, allowed_table, arrows, circles, mermaid, room, rooms
+from .import_graph import MAY_IMPORT, PACKAGE, allowed_table, arrows, circles, mermaid, room, rooms
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "architecture.md"
 
@@ -31,7 +31,7 @@ def test_each_room_imports_only_the_rooms_below_it() -> None:
 def test_the_watchdog_process_waits_on_the_standard_library_alone() -> None:
     """What the watchdog process imports before its trainer dies: the standard library and the
     package's own standard-library-only modules, never requests, urllib3 or a public name."""
-    script = Path(__file__).resolve().parent.parent / "swe_flush_sync" / "_process" / "watchdog_process.py"
+    script = PACKAGE / "_process" / "watchdog_process.py"
     code = (f"import importlib.util, json, sys\n"
             "before = set(sys.modules)\n"
             f"spec = importlib.util.spec_from_file_location('script', {str(script)!r})\n"
