@@ -561,27 +561,27 @@ class Guard:
     def _ended(self, channel: Channel) -> None:
         with contextlib.suppress(OSError):
             os.close(channel.read_fd)
+        handed_over = channel in self._handed_over  # alive (its lock is held): its record stays for the successor
+        death = not handed_over and channel.error is None and not channel.disarmed and channel.state is not None
+        if death:
+            self.deaths.take(channel)  # owned before it stops counting as connected (see ``take``)
         if channel.token is not None:
             self._connected[channel.token] -= 1
             if self._connected[channel.token] <= 0:
                 del self._connected[channel.token]
-        if channel in self._handed_over:  # alive (its lock is held): its record stays for the successor
+        if handed_over or death:  # a death's pairs wait for their flush outside the budget (live trainers')
             self._handed_over.discard(channel)
             self.budget.release(channel)
+            if death:
+                self.deaths.gone(channel)
             return
         if channel.error is not None:
             self._lines.say("dropped connection",
                             f"dropped the connection of {channel.who}: it sent {channel.error}")
             if self.metrics is not None:
                 self.metrics.dropped.labels("bad_message").inc()
-            channel.settle(None)
-            self._settled(channel)
-        elif channel.disarmed or channel.state is None:
-            channel.settle(None)
-            self._settled(channel)
-        else:  # a death: its pairs wait for their flush outside the budget, which counts live trainers
-            self.budget.release(channel)
-            self.deaths.gone(channel)
+        channel.settle(None)
+        self._settled(channel)
 
     def _woken(self) -> None:
         with contextlib.suppress(OSError):

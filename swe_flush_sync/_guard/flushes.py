@@ -90,12 +90,16 @@ class DeathFlushes:
         """Dead trainers whose flush runs, waits for a worker or waits to be retried."""
         return len(self._flushing)
 
-    def gone(self, channel: Channel) -> None:
-        """``channel`` ended without a disarm: flush its trainer's last state (once its lock is free)."""
+    def take(self, channel: Channel) -> None:
+        """Make the flush of ``channel``'s trainer this guard's, before its connection stops counting:
+        the recovery pass never finds its record neither connected nor owned. ``gone`` then flushes it."""
         with self._lock:
             self._flushing.add(channel)
             if channel.token is not None:
                 self._owned[channel.token] += 1
+
+    def gone(self, channel: Channel) -> None:
+        """``channel`` (taken) ended without a disarm: flush its trainer's last state (once its lock is free)."""
         self.pool.submit(functools.partial(self._flush_once_gone, channel, time.monotonic(), 0.01),
                          key=_servers(channel, None))
 

@@ -5,6 +5,7 @@ gone or replaced proves nothing; and lock files and records do not pile up."""
 from __future__ import annotations
 
 import array
+import collections
 import json
 import os
 import re
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from swe_flush_sync import recover
+from swe_flush_sync._guard.daemon import Guard as GuardDaemon
 from swe_flush_sync._guard.daemon import guard_status
 from swe_flush_sync._guard.socket_path import PATH_CHECK
 from swe_flush_sync.testing import AgentServerStub
@@ -115,6 +117,37 @@ def _guard(path: str, ledger: Path, stub: AgentServerStub) -> subprocess.Popen[s
                  env=subprocess_env(AGENT_SERVER_URL=stub.url, HARBOR_ADMIN_SECRET=SECRET), start_new_session=True)
     assert read_until(proc, lambda line: line.startswith("guarding"), []) is not None
     return proc
+
+
+def test_a_death_is_owned_before_it_stops_counting_as_connected(short_dir: Path) -> None:
+    """The recovery pass takes a record whose trainer is neither connected nor owned. A dead trainer's
+    record is one of the two at every moment, so it is flushed once (1 CI run in about 20 flushed a
+    frozen trainer's ids twice: at its connection's end and by the recovery pass in between)."""
+    daemon = GuardDaemon(str(short_dir / "g.sock"))
+    token = "ab" * 32
+    owned_when_uncounted: list[bool] = []
+
+    class Watched(collections.Counter):  # type: ignore[type-arg]
+        def __delitem__(self, key: str) -> None:
+            owned_when_uncounted.append(daemon.deaths.owns(key))
+            super().__delitem__(key)
+
+    daemon._connected.__class__ = Watched
+    daemon._connected[token] = 1
+    flushed: list[object] = []
+    daemon.deaths.gone = flushed.append  # type: ignore[method-assign]
+    read_fd, write_fd = os.pipe()
+    os.close(write_fd)
+
+    class Dead:
+        who, error, disarmed, lock = "pid 4321 (uid 0)", None, False, None
+
+        def __init__(self) -> None:
+            self.read_fd, self.token, self.state = read_fd, token, {"urls": ["http://127.0.0.1:9"], "ids": ["a"]}
+
+    channel = Dead()
+    daemon._ended(channel)  # type: ignore[arg-type]
+    assert owned_when_uncounted == [True] and flushed == [channel]
 
 
 @pytest.mark.parametrize("cleaner", ["every file removed", "the lock folder moved by another uid"])
