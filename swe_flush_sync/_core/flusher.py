@@ -49,16 +49,20 @@ if TYPE_CHECKING:
 Pair = tuple[str, str]  # (server url, instance id)
 Call = Callable[[], FlushResult]  # one request, bound to its pair and token
 # Sending stops when the time left is what reporting takes: a result made for each pair still unsent,
-# then the report of every pair sent. Each is measured in CPU seconds of the calling thread a pair whenever a
-# call does it (each new measurement weighing MEASURE_WEIGHT), which the size of a call and passing
-# stalls barely change, and scaled by how much longer than its CPU time this call's own set-up took:
-# the share of a core the trainer's other threads and the host leave the call now. Until a call has
-# measured them, each is FIRST_REPORT_FACTOR times what setting a pair up took, at most FIRST_REPORT_MAX,
-# and the report's is counted for every pair (a fresh process's first call also pays for what it imports).
+# then the report of every pair sent; the wait for answers ends when the time left is what that report
+# takes (the requests still out are given up after it, so that no woken worker slows it). Each is
+# measured in CPU seconds of the calling thread a pair whenever a call does it (each new measurement
+# weighing MEASURE_WEIGHT), which the size of a call and passing stalls barely change, and scaled by how
+# much longer than its CPU time this call's own set-up took: the share of a core the trainer's other
+# threads and the host leave the call now. Until a call has measured them, each is FIRST_REPORT_FACTOR
+# times what setting a pair up took, at most FIRST_REPORT_MAX, and the report's is counted for every
+# pair (a fresh process's first call also pays for what it imports).
 FIRST_REPORT_FACTOR: Final = 2.0
 FIRST_REPORT_MAX: Final = 5e-6  # a loaded 2-core host measured 3-5 µs (a first call's set-up, slowed by
 # the trainer's other threads, once guessed past a whole 5 s deadline at 100,000 ids)
 MEASURE_WEIGHT: Final = 0.5
+TIMED_SET_UP: Final = 1e-3  # CPU seconds a set-up takes to tell the host's slowdown: a shorter one (under
+# about 2,000 pairs) preempted once would scale the costs a hundredfold, cutting a small call's wait for answers
 QUEUED_PER_WORKER: Final = 2  # pairs handed to the workers ahead of each worker thread
 MAX_ROUNDS: Final = 64  # passes per pair at most with until_idle (the deadline usually ends them first)
 
@@ -195,36 +199,37 @@ class Flusher:
         budget = self._options.deadline if deadline is None else check_seconds(deadline, "deadline")
         if until_idle is not None and not isinstance(until_idle, bool):
             raise ConfigError(f"until_idle must be a bool, not {type(until_idle).__name__}")
-        report = self._flush_ids(ids, budget, until_idle=until_idle, started=started)  # counted from the call
-        log_report(report)
-        return report
+        return self._flush_ids(ids, budget, until_idle=until_idle, started=started, log=True)  # counted from the call
 
     def _flush_ids(self, ids: tuple[str, ...], budget: float, *, until_idle: bool | None = None,
-                   workers: Runner | None = None, started: float | None = None) -> FlushReport:
-        """``flush`` of validated ids, without logging, ``budget`` seconds from ``started`` (default: now);
-        ``workers`` (the signal and exit hooks' threads) run the requests instead of the Flusher's own,
-        and nothing lingering is given up for room."""
+                   workers: Runner | None = None, started: float | None = None, log: bool = False) -> FlushReport:
+        """``flush`` of validated ids, ``budget`` seconds from ``started`` (default: now), logging the report
+        if ``log``; ``workers`` (the signal and exit hooks' threads) run the requests instead of the
+        Flusher's own, and nothing lingering is given up for room."""
         started = time.monotonic() if started is None else started
         setting_up, set_up_cpu = time.monotonic(), time.thread_time()
         tracks = {pair: _Track(pair) for pair in ((url, i) for i in ids for url in self._urls)}  # interleaved
         repeat = self._options.until_idle if until_idle is None else until_idle
         by_server: dict[str, list[_Track]] = {url: [] for url in self._urls} | _by_server(list(tracks.values()))
         set_up_cpu = max(time.thread_time() - set_up_cpu, 1e-9)
-        slowdown = max((time.monotonic() - setting_up) / set_up_cpu, 1.0)
+        slowdown = max((time.monotonic() - setting_up) / set_up_cpu, 1.0) if set_up_cpu >= TIMED_SET_UP else 1.0
         guess = min(FIRST_REPORT_FACTOR * slowdown * set_up_cpu / max(len(tracks), 1), FIRST_REPORT_MAX)
         costs = _Costs(slowdown * _measured.unsent if _measured.unsent else guess,
                        slowdown * _measured.report if _measured.report else guess, not _measured.report)
         call = _Call(tracks, started, started + budget, repeat, workers or self._workers, workers is not None,
                      dict.fromkeys(self._urls, 1), by_server, {}, Inbox(), costs, [0.0, 0])
         if not call.tracks:
-            return FlushReport(elapsed=time.monotonic() - started)
+            report = FlushReport(elapsed=time.monotonic() - started)
+            if log:
+                log_report(report)
+            return report
         # Each server's round is counted down by its answers: a server's next round never waits for
         # another server, and no answer costs a scan of every pair.
         try:
             if not self._send_pass(list(call.tracks.values()), call):
                 raise FlushError("this Flusher is closed")
-            while call.waiting:
-                left = call.deadline_at - time.monotonic()
+            while call.waiting:  # until the time left is what the report takes, while the workers still wait
+                left = call.deadline_at - time.monotonic() - call.costs.report * _reported(call)
                 if left <= 0:
                     break
                 try:
@@ -241,10 +246,17 @@ class Flusher:
                     _give_up(track.pending, "interrupted")
             raise
         reporting = time.thread_time()
-        with collector_paused():
-            results = tuple(self._result(track, call) if track.final is None else track.final
-                            for url in self._urls for track in call.by_server[url])
-        report = FlushReport(results=results, elapsed=time.monotonic() - started)
+        giving_up: list[_Pending] = []  # given up once reported and logged: no woken worker slows either
+        try:
+            with collector_paused():
+                results = tuple(self._result(track, call, giving_up) if track.final is None else track.final
+                                for url in self._urls for track in call.by_server[url])
+            report = FlushReport(results=results, elapsed=time.monotonic() - started)
+            if log:
+                log_report(report)
+        finally:
+            for pending in giving_up:
+                _give_up(pending, "deadline passed")  # (a token cancelled already keeps its first reason)
         sent = max(len(results) - call.made[1], 1)
         _measured.report = _measured.weigh(_measured.report, (time.thread_time() - reporting) / sent)
         if call.made[1]:
@@ -389,8 +401,9 @@ class Flusher:
             raise ConfigError(f"the bearer provider raised {type(exc).__name__}") from None
         return "Bearer " + check_token(token, "the bearer provider's token")
 
-    def _result(self, track: _Track, call: _Call) -> FlushResult:
-        """The pair's result at the end of the call; a pass still out is reported unfinished."""
+    def _result(self, track: _Track, call: _Call, giving_up: list[_Pending]) -> FlushResult:
+        """The pair's result at the end of the call; a pass still out is reported unfinished (and put in
+        ``giving_up`` when it is given up rather than left in flight)."""
         if track.final is not None:
             return track.final
         idle = False if call.until_idle else None
@@ -406,7 +419,7 @@ class Flusher:
         elif pending.future.cancel():  # never started
             error = f"{reason} before it was sent"
         elif token.cancelled.is_set() or self._options.linger == 0:
-            _give_up(pending, reason)
+            giving_up.append(pending)
             error = f"{reason} while in flight"
         else:
             error = f"deadline passed while in flight (left in flight for up to {self._options.linger:g}s)"
@@ -466,6 +479,12 @@ def _by_server(tracks: list[_Track]) -> dict[str, list[_Track]]:
     for track in tracks:
         grouped.setdefault(track.pair[0], []).append(track)
     return grouped
+
+
+def _reported(call: _Call) -> int:
+    """The pairs the call's report is expected to cost: every pair until a report was measured, else
+    those sent (the measured cost is a sent pair's share of the whole report)."""
+    return len(call.tracks) if call.costs.guessed else max(len(call.tracks) - int(call.made[1]), 1)
 
 
 def _give_up(pending: _Pending, reason: str) -> None:

