@@ -5,8 +5,10 @@ of the measuring interpreter's GIL; ``flush(url, ids, deadline=5)`` is timed fro
 return, with the pairs answered, those the deadline left unsent (reported as such), and the time
 left when sending stopped (a pair never sent says how long it was kept waiting). ``--burners N``
 runs N CPU burners (``yes``) meanwhile, ended by their pids; the load average is printed with each
-row. The bounds: the call returns within the deadline plus 0.5 s, and stops sending with at most
-0.5 s left. Writes ``benchmarks/scale.md``.
+row. ``--teardown S`` makes each /flush wait S seconds for its trials' teardown: with 30, every
+request sent is still in flight at the deadline (a server slow to answer). The bounds: the call
+returns within the deadline plus 0.5 s, and stops sending with at most 0.5 s left. Writes
+``benchmarks/scale.md``.
 """
 
 from __future__ import annotations
@@ -47,9 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=1, help="runs of each size (default 1)")
     parser.add_argument("--burners", type=int, default=0, help="CPU burners running meanwhile (default 0)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000], help="id counts")
+    parser.add_argument("--teardown", type=float, default=0.0, help="seconds each /flush takes (default 0)")
     ns = parser.parse_args(argv)
-    stub = subprocess.Popen([sys.executable, "-m", "swe_flush_sync", "stub", "--port", "0"], stdout=subprocess.PIPE,
-                            text=True)
+    stub = subprocess.Popen([sys.executable, "-m", "swe_flush_sync", "stub", "--port", "0", "--teardown",
+                             str(ns.teardown)], stdout=subprocess.PIPE, text=True)
     burners = [subprocess.Popen(["yes"], stdout=subprocess.DEVNULL) for _ in range(ns.burners)]
     rows = []
     try:
@@ -64,8 +67,9 @@ def main(argv: list[str] | None = None) -> int:
             process.kill()
             process.wait()
     text = "\n".join([f"# scale benchmark\n\nMachine: {os.cpu_count()} cores, Python {platform.python_version()}, "
-                      f"{ns.burners} CPU burner(s); `flush(url, ids, deadline={DEADLINE:g})` against `swe-flush stub` "
-                      f"in its own process (`python -m benchmarks.scale --runs {ns.runs} --burners {ns.burners}`). "
+                      f"{ns.burners} CPU burner(s); `flush(url, ids, deadline={DEADLINE:g})` against `swe-flush stub "
+                      f"--teardown {ns.teardown:g}` in its own process (`python -m benchmarks.scale --runs {ns.runs} "
+                      f"--burners {ns.burners} --teardown {ns.teardown:g}`). "
                       f"Bounds: returned within {DEADLINE:g} s + {SLACK:g} s, sending stopped with at most "
                       f"{SLACK:g} s left.\n",
                       "| ids | load | returned after | answered | never sent (reported) | left when sending stopped "
