@@ -122,6 +122,7 @@ class _TrackedConnectionMixin:
     def connect(self) -> None:
         _track(self)  # type: ignore[arg-type]  # mixed into HTTPConnection only
         super().connect()  # type: ignore[misc]
+        _track(self)  # type: ignore[arg-type]  # a cancel while connecting found no socket: it is shut now
 
     def request(self, *args: Any, **kwargs: Any) -> None:
         _track(self)  # type: ignore[arg-type]

@@ -110,11 +110,13 @@ def test_a_pass_larger_than_the_workers_prepares_only_what_they_take() -> None:
 
     ids = [f"window-{number:02d}" for number in range(40)]
     with AgentServerStub(secret=SECRET, teardown=1.0) as slow:
-        report = flush(slow.url, ids, bearer=bearer, max_workers=2, deadline=1.5)
+        report = flush(slow.url, ids, bearer=bearer, max_workers=2, deadline=1.9)
         flushed = slow.flushed_ids()
     never = [r.instance_id for r in report.results if r.error == "deadline passed before it was sent"]
     # The window holds 4 (2 workers, 2 a worker); a pair that went out and ended makes room for one,
     # however it ended (answered at 1 s, or timed out at the deadline a moment before feeding stopped).
+    # The first two are answered at 1 s or a loaded host's moment later; the next two, sent then, never
+    # before 2 s, past the deadline.
     went_out = len(ids) - len(never)
     assert len(asked) <= 4 + went_out < len(ids), (asked, went_out)
     assert set(ids) - set(asked) <= set(never)  # (those queued for a worker, prepared, are never sent too)

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from swe_flush_sync import Flusher, FlushFailed, abort, flush, recover
+from swe_flush_sync._core import transport
 from swe_flush_sync.testing import AgentServerStub
 
-from ..conftest import PYTHON, SECRET, ours, subprocess_env, wait_no_library_threads, wait_threads_gone
+from ..conftest import PYTHON, SECRET, ours, subprocess_env, wait_no_library_threads, wait_threads_gone, wait_until
 from ..helpers import env_for, write_record
 
 
@@ -200,12 +201,49 @@ def test_abort_never_raises_on_bad_config(stub: AgentServerStub, caplog: pytest.
 def test_close_during_flush_returns_promptly(stub: AgentServerStub) -> None:
     stub.fault("hung", hang=True)
     flusher = Flusher(stub.url, admin_secret=SECRET, deadline=10)
-    threading.Timer(0.3, flusher.close).start()
-    started = time.monotonic()
+    closed_at: list[float] = []
+
+    def close_once_both_arrived() -> None:  # (a timer could fire before a loaded host sent them)
+        wait_until(lambda: {"hung", "ok"} <= {r.instance_id for r in stub.requests}, timeout=20)
+        closed_at.append(time.monotonic())
+        flusher.close()
+
+    threading.Thread(target=close_once_both_arrived, daemon=True).start()
     report = flusher.flush(["hung", "ok"])
-    assert time.monotonic() - started < 1.5
+    assert closed_at and time.monotonic() - closed_at[0] < 1.5
     by_id = {r.instance_id: r for r in report.results}
-    assert by_id["ok"].ok and "the Flusher was closed" in (by_id["hung"].error or "")
+    assert "the Flusher was closed" in (by_id["hung"].error or "")
+    assert by_id["ok"].ok or by_id["ok"].error == "the Flusher was closed while in flight"  # (its answer unread)
+    assert wait_no_library_threads() == []
+
+
+def test_close_while_a_request_connects_returns_promptly(stub: AgentServerStub,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A close that lands while a worker connects, before its socket exists, shuts the socket as
+    soon as it is made: a worker preempted there on a loaded host kept its request, and the call
+    waiting on it, for the whole deadline."""
+    stub.fault("hung", hang=True)
+    connecting, closed = threading.Event(), threading.Event()
+    new_conn = transport._TrackedHTTPConnection._new_conn
+
+    def slow_new_conn(self: transport._TrackedHTTPConnection) -> object:
+        connecting.set()
+        closed.wait(5)  # the worker is preempted here, and the Flusher closed meanwhile
+        return new_conn(self)
+
+    monkeypatch.setattr(transport._TrackedHTTPConnection, "_new_conn", slow_new_conn)
+    flusher = Flusher(stub.url, admin_secret=SECRET, deadline=10)
+
+    def close_while_connecting() -> None:
+        connecting.wait(5)
+        flusher.close()
+        closed.set()
+
+    threading.Thread(target=close_while_connecting, daemon=True).start()
+    started = time.monotonic()
+    report = flusher.flush(["hung"])
+    assert time.monotonic() - started < 2.0
+    assert closed.is_set() and "the Flusher was closed" in (report.results[0].error or ""), report.results
     assert wait_no_library_threads() == []
 
 
