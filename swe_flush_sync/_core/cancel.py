@@ -38,6 +38,11 @@ class CancelToken:
         """Seconds in which another attempt may still start."""
         return min(self.deadline_at, self.linger_until) - time.monotonic()
 
+    def start_lingering(self) -> None:
+        """The sending call returned without it (it may return a moment before its deadline): no retry
+        starts from now, and a later call short of workers may give it up."""
+        self.deadline_at = min(self.deadline_at, time.monotonic())
+
     def track(self, holder: HTTPConnection | socket.socket) -> None:
         """Note a connection the request uses, or a socket starting its TLS handshake (``cancel`` shuts it down)."""
         self._holders.append(holder)

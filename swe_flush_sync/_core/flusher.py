@@ -422,6 +422,7 @@ class Flusher:
             giving_up.append(pending)
             error = f"{reason} while in flight"
         else:
+            token.start_lingering()
             error = f"deadline passed while in flight (left in flight for up to {self._options.linger:g}s)"
         spent = time.monotonic() - call.started - sum(p.elapsed for p in track.passes)  # passes add up to the call
         unfinished = FlushResult(*track.pair, ok=False, attempts=token.attempts, error=error, joined=track.joined,

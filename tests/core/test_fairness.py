@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from swe_flush_sync import Flusher, abort, flush
+from swe_flush_sync._core import flusher
 from swe_flush_sync.testing import AgentServerStub
 
 from ..conftest import SECRET, HungServer, ours
@@ -71,3 +74,20 @@ def test_a_hung_server_never_starves_a_healthy_one_however_many_steps(stub: Agen
         peak = max(peak, len(ours()))
     assert peak <= workers, peak
     assert len(stub.flushed_ids()) == 6 * 8
+
+
+def test_a_request_left_lingering_before_the_deadline_gives_its_worker_to_the_next_call(
+        stub: AgentServerStub, hung: HungServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call returns the time its report takes before its deadline: a request it leaves in flight
+    lingers from then on, and a call that comes at once, short of a worker, gives it up. (Counted as
+    lingering only once its deadline passed, it kept the next step's healthy pair from a worker.)"""
+    with Flusher([hung.url, stub.url], admin_secret=SECRET, max_workers=2, deadline=1.5, linger=60) as warm:
+        for step in range(3):
+            monkeypatch.setattr(flusher._measured, "report", 0.3)  # as if measured: the call ends 0.6 s early
+            monkeypatch.setattr(flusher._measured, "unsent", 1e-6)
+            report = warm.flush([f"early-{step}"])
+            by_server = {r.server_url: r for r in report.results}
+            assert by_server[stub.url].ok, (step, report.summary())
+            assert "left in flight" in (by_server[hung.url].error or ""), report.summary()
+            assert by_server[hung.url].elapsed < 1.5 - 0.3  # it returned before the deadline
+    assert stub.flushed_ids() == ["early-0", "early-1", "early-2"]
