@@ -214,9 +214,7 @@ def test_a_handshake_that_lingers_makes_room_for_fresh_pairs(tls_stub: Callable[
     good = tls_stub()
     try:
         hung = peer.url.replace("http://", "https://")
-        # (the worker of the handshake given up for room must unwind before it takes the healthy pair:
-        # a loaded host took longer than 0.5 s once)
-        with Flusher([hung, good.url], max_workers=2, deadline=1.5, linger=60, connect_timeout=30,
+        with Flusher([hung, good.url], max_workers=2, deadline=0.5, linger=60, connect_timeout=30,
                      ca_bundle=certs.ca_file) as flusher:
             for step in range(3):
                 report = flusher.flush([f"room-{step}"])
