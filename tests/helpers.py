@@ -3,6 +3,7 @@ and really dies), the ledger records, containers (``unshare``), and raw guard pe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -101,6 +103,20 @@ class Trainer:
 
 
 ENV = {"HARBOR_ADMIN_SECRET": SECRET}
+
+
+@contextlib.contextmanager
+def port_held(port: int) -> Iterator[None]:
+    """While a stopped stub is down: its port bound and not listening, so that connections are refused
+    as by a stopped server, and no other process (a suite beside this one) is given the port before the
+    server comes back on it."""
+    held = socket.socket()
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    held.bind(("127.0.0.1", port))
+    try:
+        yield
+    finally:
+        held.close()
 
 
 def records(folder: Path) -> list[Path]:

@@ -36,6 +36,7 @@ from ..helpers import (
     namespace_init,
     needs_root,
     needs_unshare,
+    port_held,
     records,
     state_line,
 )
@@ -385,13 +386,14 @@ def test_a_server_that_refused_through_a_death_is_flushed_within_a_second_of_its
         trainer = Trainer(first, LONG_STEP.format(name="down", path=guard.socket))
         trainer.read("ARMED")
         assert wait_until(lambda: len(records(ledger)) == 1, 5.0)
-    trainer.proc.kill()  # the server refuses connections from just before the death ...
-    trainer.death()
-    assert wait_until(lambda: ledger_record_gone(ledger), 5.0)  # its first attempt failed: marked gone
-    away_until = time.monotonic() + 3.0  # ... until 3 s after it: the scenario's length, not a wait for a condition
-    while time.monotonic() < away_until:
-        assert guard.proc.poll() is None
-        time.sleep(0.05)
+    with port_held(port):
+        trainer.proc.kill()  # the server refuses connections from just before the death ...
+        trainer.death()
+        assert wait_until(lambda: ledger_record_gone(ledger), 5.0)  # its first attempt failed: marked gone
+        away_until = time.monotonic() + 3.0  # ... until 3 s after it: the scenario's length, not a wait for a condition
+        while time.monotonic() < away_until:
+            assert guard.proc.poll() is None
+            time.sleep(0.05)
     with AgentServerStub(secret=SECRET, port=port) as back:
         returned = time.monotonic()
         assert wait_until(lambda: sorted(back.flushed_ids()) == ["down-a", "down-b"], 5.0)

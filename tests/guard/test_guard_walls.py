@@ -53,6 +53,7 @@ from ..helpers import (
     namespace_init,
     needs_root,
     needs_unshare,
+    port_held,
     records,
     state_line,
 )
@@ -401,14 +402,15 @@ def test_a_server_down_at_the_death_is_flushed_once_it_is_back(short_dir: Path,
     trainer = guarded_trainer(first, guard)
     trainer.read("ARMED")
     first.stop()  # the agent server is down ...
-    trainer.proc.kill()  # ... when the trainer dies
-    trainer.death()
 
     def marked_gone() -> bool:
         return any(json.loads(r.read_text()).get("gone") is True for r in records(ledger))
 
-    assert wait_until(marked_gone, 15.0)  # any recover may take it meanwhile
-    time.sleep(4.0)  # the server stays down for 4 s
+    with port_held(port):
+        trainer.proc.kill()  # ... when the trainer dies
+        trainer.death()
+        assert wait_until(marked_gone, 15.0)  # any recover may take it meanwhile
+        time.sleep(4.0)  # the server stays down for 4 s
     with AgentServerStub(secret=SECRET, port=port) as back:
         assert wait_until(lambda: len(back.requests) >= 3, 20.0)
         assert Counter(back.flushed_ids()) == dict.fromkeys(IDS, 1) and all(r.status == 200 for r in back.requests)

@@ -19,7 +19,7 @@ from swe_flush_sync._watchdog import api as watchdog_module
 from swe_flush_sync.testing import AgentServerStub
 
 from ..conftest import PYTHON, SECRET, gone, proc_stat, spawn, subprocess_env, wait_until
-from ..helpers import ENV, IDS, Trainer, here, records, write_record
+from ..helpers import ENV, IDS, Trainer, here, port_held, records, write_record
 
 
 def test_a_lost_pod_is_recovered_once(stub: AgentServerStub, tmp_path: Path) -> None:
@@ -114,11 +114,12 @@ def test_a_failed_watchdog_flush_keeps_the_record(stub_factory: Callable[..., Ag
     """)
     pid = trainer.armed()
     server.stop()  # the agent server is down when the trainer dies
-    trainer.proc.kill()
-    trainer.death()
-    err = trainer.stderr_after_watchdog(3.0)
-    assert "0/3 targets" in err
-    assert len(records(tmp_path)) == 1  # kept for recover
+    with port_held(port):
+        trainer.proc.kill()
+        trainer.death()
+        err = trainer.stderr_after_watchdog(3.0)
+        assert "0/3 targets" in err
+        assert len(records(tmp_path)) == 1  # kept for recover
     del pid
 
     back = stub_factory(secret=SECRET, port=port)
