@@ -157,18 +157,37 @@ class _HeldBudget:
 
 class _RecordWriter:
     """Record writes and removals, on the ledger's own thread (a slow volume never stops the loop); a
-    write that waits writes the latest state when it runs. Failures are said once per kind."""
+    write that waits writes the latest state when it runs. Failures are said once per kind. A record
+    whose write or removal waits here is this guard's (``busy``): never the recovery pass's."""
 
     def __init__(self, say: Callable[[str], None]) -> None:
         self._worker = _SerialWorker("swe-flush-guard-ledger")
         self._say = say
         self._said: str | None = None
+        self._waiting: collections.Counter[str] = collections.Counter()  # trainer token -> its jobs not yet done
+        self._lock = threading.Lock()
 
     def submit(self, channel: Channel, job: Callable[[], None]) -> None:
-        self._worker.submit(functools.partial(self._run, job), key=(channel, job))
+        token = channel.token
+        with self._lock:  # counted before its job can end
+            if self._worker.submit(functools.partial(self._run, job, token), key=(channel, job)) and token:
+                self._waiting[token] += 1
 
-    def _run(self, job: Callable[[], None]) -> None:
-        error = io_error(job)
+    def busy(self, token: str) -> bool:
+        """Is a write or removal of the record of the trainer with ``token`` waiting or running?"""
+        return token in self._waiting
+
+    def _run(self, job: Callable[[], None], token: str | None) -> None:
+        try:
+            self._report(io_error(job))
+        finally:
+            if token:
+                with self._lock:
+                    self._waiting[token] -= 1
+                    if self._waiting[token] <= 0:
+                        del self._waiting[token]
+
+    def _report(self, error: str | None) -> None:
         if error != self._said:  # once per kind of failure, and once when it works again
             self._said = error
             self._say(f"cannot write ledger records: {error}" if error else "ledger records are written again")
@@ -278,17 +297,19 @@ class _SerialWorker:
         self.dropped = 0
         threading.Thread(target=self._run, name=name, daemon=True).start()
 
-    def submit(self, job: Callable[[], None], key: object = None) -> None:
+    def submit(self, job: Callable[[], None], key: object = None) -> bool:
+        """Queue ``job``; False when it was not (its ``key`` waits already, or past ``limit``)."""
         with self._ready:
             if key is not None and key in self._keys:
-                return
+                return False
             if self._limit is not None and len(self._jobs) >= self._limit:
                 self.dropped += 1
-                return
+                return False
             self._jobs.append((key, job))
             if key is not None:
                 self._keys.add(key)
             self._ready.notify()
+            return True
 
     def _run(self) -> None:
         while True:
@@ -437,10 +458,12 @@ class Guard:
         self.deaths = DeathFlushes(flush_workers, connected=self._connected, lock_folder=self.locks.folder,
                                    release=self._settled, say=self.say, say_once=self._lines.say,
                                    metrics=self.metrics)
-        self._recovery = None if ledger is None else LedgerRecovery(
-            ledger, grace=takeover_grace, connected=self._connected, owns=self.deaths.owns, stop=self._stop,
-            http=self.deaths.http,
-            say=self.say, say_once=self._lines.say, metrics=self.metrics)
+        records = self._records  # a record is this guard's while its flush runs or waits, then while its
+        # removal waits (queued before the flush lets it go: asked in this order)
+        self._recovery = None if ledger is None or records is None else LedgerRecovery(
+            ledger, grace=takeover_grace, connected=self._connected,
+            owns=lambda token: self.deaths.owns(token) or records.busy(token), stop=self._stop,
+            http=self.deaths.http, say=self.say, say_once=self._lines.say, metrics=self.metrics)
 
     def bind(self) -> None:
         """Take the path (one guard per path, decided by a lock), replace a stale socket, listen (0600)."""

@@ -128,7 +128,8 @@ class DeathFlushes:
         heap with backoff (``/flush`` is idempotent; 401/403 slowly) until every pair is flushed, the
         record is no longer the guard's, or ``RETRY_GIVE_UP`` has passed since the death."""
         who = f"trainer {channel.who}"
-        if retry.attempt > 1 and channel.keeper is not None and not os.path.exists(channel.keeper.path):
+        keeper = channel.keeper
+        if retry.attempt > 1 and keeper is not None and keeper.written and not os.path.exists(keeper.path):
             self._done(channel)  # a recover claimed the record (and flushed it), or it was removed
             self._say_once("claimed", f"{who}: its record was taken by a recover or removed; retries end")
             return
@@ -285,7 +286,7 @@ class LedgerRecovery:
         predecessor's record (its guard gone, here) whose trainer has not reconnected within the
         grace is gone, whatever its heartbeat says."""
         if record.trainer is not None and (record.trainer in self._connected or self._owns(record.trainer)):
-            return False  # guarded by its connection, or its flush is this guard's own (retried with backoff)
+            return False  # guarded by its connection, or its flush or record file I/O is this guard's own
         if gone:
             return True
         self._watch(record)

@@ -225,6 +225,7 @@ class RecordKeeper:
                             guard_lock=_path(locks.get("guard_lock")), guard_lock_inode=_inode(locks.get("guard_lock")))
         self.heartbeat = heartbeat
         self.gone = False  # the trainer is gone and its flush has not succeeded yet: any recover may take it
+        self.written = False  # the record was written once (a missing one was then removed or claimed)
         if token is not None:
             name = f"{GUARD_RECORD_PREFIX}{token}{RECORD_SUFFIX}"
         else:
@@ -244,6 +245,7 @@ class RecordKeeper:
         dataclasses.replace(self._base, urls=tuple(state.get("urls", ())), ids=tuple(state.get("ids", ())),
                             heartbeat=time.time(), gone=self.gone,
                             deadline=float(deadline) if isinstance(deadline, (int, float)) else None).write(self.path)
+        self.written = True
 
     def remove(self) -> None:
         with contextlib.suppress(OSError):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import array
 import collections
+import contextlib
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import subprocess
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,7 +28,7 @@ from swe_flush_sync._guard.daemon import guard_status
 from swe_flush_sync._guard.socket_path import PATH_CHECK
 from swe_flush_sync.testing import AgentServerStub
 
-from ..conftest import PYTHON, SECRET, StartGuard, read_until, spawn, stays, subprocess_env, wait_until
+from ..conftest import PYTHON, SECRET, StartGuard, gone, read_until, spawn, stays, subprocess_env, wait_until
 from ..helpers import (
     OTHER_UID,
     Trainer,
@@ -334,13 +336,8 @@ def test_lock_files_and_records_do_not_pile_up(start_guard: StartGuard, short_di
         for wave in range(10):
             peers = []
             for number in range(100):
-                token = f"{wave * 100 + number:032x}"
-                peer = connect(guard.socket)
-                peer.sendall(state_line(a_state(urls=[stub.url], ids=[f"t{token[-4:]}"], trainer=token,
-                                                 lock_fd=True)))
-                said, fds = _receive_lock(peer)
-                assert said.startswith(b"lock\nheld") and len(fds) == 1, said
-                peers.append((peer, fds[0], number % 2 == 0))
+                peer, lock_fd = _armed_peer(guard.socket, stub.url, wave * 100 + number)
+                peers.append((peer, lock_fd, number % 2 == 0))
             for peer, lock_fd, dies in peers:
                 if not dies:
                     peer.sendall(b'{"disarm": true}\n')
@@ -354,6 +351,122 @@ def test_lock_files_and_records_do_not_pile_up(start_guard: StartGuard, short_di
     assert guard.proc.wait(10) == 0
     assert os.listdir(locks) == []
     assert json.dumps(sorted(os.listdir(short_dir / "run"))) == '["guard.sock.lock", "guard.sock.locks"]'
+
+
+RAW_TRAINER = """
+import os, socket, sys
+peer = socket.socket(socket.AF_UNIX)
+peer.connect(sys.argv[1])
+peer.sendall(bytes.fromhex(sys.argv[2]))
+said = b""
+while b"held" not in said:
+    said += peer.recvmsg(4096, socket.CMSG_SPACE(16))[0]
+print("ARMED", flush=True)
+if sys.stdin.readline().strip() == "disarm":
+    peer.sendall(b'{"disarm": true}\\n')
+os._exit(0)
+"""
+
+
+def _trainer_state(url: str, number: int) -> bytes:
+    """Trainer ``number``'s first state line: one id, ``id-<number>``, and a lock asked for."""
+    return state_line(a_state(urls=[url], ids=[f"id-{number}"], trainer=f"{number:032x}", lock_fd=True))
+
+
+def _armed_peer(path: str, url: str, number: int) -> tuple[socket.socket, int]:
+    """Trainer ``number`` armed as a raw peer of the guard at ``path``: its socket and its lock's descriptor."""
+    peer = connect(path)
+    peer.sendall(_trainer_state(url, number))
+    said, fds = _receive_lock(peer)
+    assert said.startswith(b"lock\nheld") and len(fds) == 1, said
+    return peer, fds[0]
+
+
+@contextlib.contextmanager
+def _guard_on_a_slow_ledger(stub: AgentServerStub, short_dir: Path, *extra: str) -> Iterator[list[str]]:
+    """A guard at ``short_dir/guard.sock`` with its ledger in ``short_dir/ledger``, each of its fsyncs
+    taking 0.3 s (injected by strace); ended by its pid at the block's end, its stderr then in the list."""
+    traced = spawn(["strace", "-f", "--seccomp-bpf", "-qq", "-o", "/dev/null", "-e", "trace=fsync",
+                    "-e", "inject=fsync:delay_enter=300000", PYTHON, "-m", "swe_flush_sync", "guard", "--socket",
+                    str(short_dir / "guard.sock"), "--ledger", str(short_dir / "ledger"), *extra],
+                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=subprocess_env(AGENT_SERVER_URL=stub.url),
+                   start_new_session=True)
+    line = read_until(traced, lambda text: text.startswith("guarding"), [])
+    assert line is not None
+    guard_pid = int(line.rsplit(" ", 1)[1].rstrip(")"))
+    said: list[str] = []
+    try:
+        yield said
+    finally:
+        if not gone(guard_pid):
+            os.kill(guard_pid, signal.SIGKILL)  # the tracee first: a killed tracer would let it run on
+        said.append(traced.communicate(timeout=10)[1])
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace (apt-get install strace)")
+def test_a_record_still_to_be_written_is_neither_given_up_nor_taken(short_dir: Path) -> None:
+    """A trainer dies while ten records wait to be written before its own (each fsync 0.3 s), and its
+    first flush fails (503). 1.2.0's retry found no record on disk, took it for one a recover had claimed,
+    and ended its retries; its record, written later, was left to the recovery pass (and kept for ever
+    in CI, where the server was gone by then). A trainer that disarmed and exited meanwhile is never
+    flushed."""
+    ledger, path = short_dir / "ledger", str(short_dir / "guard.sock")
+    peers: list[tuple[socket.socket, int]] = []
+    with AgentServerStub() as stub, _guard_on_a_slow_ledger(stub, short_dir) as err:
+        try:
+            def trainer(number: int) -> subprocess.Popen[str]:
+                proc = spawn([PYTHON, "-c", RAW_TRAINER, path, _trainer_state(stub.url, number).hex()],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                assert read_until(proc, lambda text: text == "ARMED", []) is not None
+                return proc
+
+            disarming = trainer(1)
+            assert wait_until(lambda: len(records(ledger)) == 1, 10.0)
+            disarmed_record = records(ledger)[0].name
+            peers += [_armed_peer(path, stub.url, number) for number in range(3, 13)]  # ten records first: 6 s
+            dying = trainer(2)
+            stub.fault("id-2", statuses=[503])
+            disarming.communicate("disarm\n", timeout=10)  # it disarms and exits
+            dying.communicate("die\n", timeout=10)
+            assert wait_until(lambda: "id-2" in stub.flushed_ids(), 30.0)
+            names = lambda: os.listdir(ledger)  # noqa: E731
+            assert wait_until(lambda: disarmed_record not in names() and len(records(ledger)) == 10
+                              and not any(".claim-" in name for name in names()), 60.0), names()
+            assert [i for i in stub.flushed_ids() if i in ("id-1", "id-2")] == ["id-2"]
+        finally:
+            for peer, lock_fd in peers:
+                os.close(lock_fd)
+                peer.close()
+    assert re.search(r"gone; flushed 1/1 .*\(attempt 2\)", err[0]), err  # by its own retry, once
+    assert "taken by a recover" not in err[0] and "recovered" not in err[0], err
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace (apt-get install strace)")
+def test_the_recovery_pass_never_takes_a_record_whose_removal_waits(short_dir: Path) -> None:
+    """A dead trainer is flushed at its fourth attempt (its record marked gone since the first), and the
+    record's removal then waits behind eight trainers' heartbeats (``--heartbeat 0.5``, each fsync 0.3 s).
+    1.2.0's recovery pass took the record meanwhile and flushed it a second time (had that flush failed, the
+    record would have been put back, and kept for ever)."""
+    ledger, path = short_dir / "ledger", str(short_dir / "guard.sock")
+    peers: list[tuple[socket.socket, int]] = []
+    with AgentServerStub() as stub, _guard_on_a_slow_ledger(stub, short_dir, "--heartbeat", "0.5") as err:
+        try:
+            dying, lock_fd = _armed_peer(path, stub.url, 1)
+            assert wait_until(lambda: len(records(ledger)) == 1, 10.0)
+            dying_record = records(ledger)[0].name
+            peers += [_armed_peer(path, stub.url, number) for number in range(2, 10)]
+            stub.fault("id-1", statuses=[503, 503, 503])
+            os.close(lock_fd)  # a hard death
+            dying.close()
+            assert wait_until(lambda: "id-1" in stub.flushed_ids(), 30.0)
+            assert wait_until(lambda: not any(name.startswith(dying_record) for name in os.listdir(ledger)), 30.0)
+            assert stub.flushed_ids() == ["id-1"]
+        finally:
+            for peer, lock_fd in peers:
+                os.close(lock_fd)
+                peer.close()
+    assert re.search(r"gone; flushed 1/1 .*\(attempt 4\)", err[0]), err
+    assert "recovered" not in err[0], err
 
 
 def test_the_guard_touches_its_lock_files_every_heartbeat(start_guard: StartGuard) -> None:
