@@ -137,6 +137,7 @@ def test_a_record_a_recover_took_ends_its_retries(short_dir: Path) -> None:
 
     class Keeper:
         path = str(short_dir / "claimed-record.json")  # not there: a recover claimed it
+        written = True  # (it was there once)
 
     class Dead:
         who = "pid 4321 (uid 0)"
