@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 DYING_GRACE: Final = 1.0  # seconds past its trainer's deadline a running watchdog is left to flush its record
 DYING_POLL: Final = 0.05  # seconds between two looks at such a record
 WATCHDOG_FLUSHING: Final = "its watchdog is flushing it"  # why such a record is left alone meanwhile
+DISARMED: Final = "its trainer disarmed: removed, not flushed"  # a record whose lock says so
 CLAIM_MARK: Final = ".claim-"  # <record>.json.claim-<host>.<pid>.<start>: being recovered
 BAD_SUFFIX: Final = ".bad"
 STALE_CLAIM: Final = 600.0  # seconds after which a claim made on another host is taken over
@@ -107,6 +108,14 @@ class _Ledger:
                 continue
             record = self._readable(path)
             if record is None:
+                continue
+            if CLAIM_MARK not in name and record.disarmed():  # its trainer disarmed: nothing to flush
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                _, trainer_lock = record.locks()
+                if trainer_lock is not None:
+                    remove_if_free(trainer_lock)
+                self.listed[name] = DISARMED
                 continue
             if CLAIM_MARK not in name and not self._gone(record, now, name):
                 continue  # a live trainer's record: left alone

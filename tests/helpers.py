@@ -9,6 +9,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import textwrap
 import time
 from collections.abc import Iterator
@@ -217,6 +218,33 @@ def connect(path: str) -> socket.socket:
     peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     peer.connect(path)
     return peer
+
+
+_CONNECTOR = """
+import socket, sys
+back = socket.socket(fileno=int(sys.argv[3]))
+for _ in range(int(sys.argv[2])):
+    peer = socket.socket(socket.AF_UNIX)
+    peer.connect(sys.argv[1])
+    socket.send_fds(back, [b"c"], [peer.fileno()])
+    peer.close()
+"""
+
+
+def connections_of_a_gone_process(path: str, count: int) -> list[socket.socket]:
+    """``count`` connections to ``path`` made by a process that has exited since: the guard reads a dead
+    pid for each peer (``SO_PEERCRED`` is taken at connect), as it would for a dead trainer's. A raw peer
+    that closes its lock in this live process is no death (a free lock whose pid lives)."""
+    mine, theirs = socket.socketpair()
+    with mine:
+        with theirs:
+            subprocess.run([sys.executable, "-c", _CONNECTOR, path, str(count), str(theirs.fileno())],
+                           pass_fds=(theirs.fileno(),), timeout=60, check=True)
+        connections: list[socket.socket] = []
+        while len(connections) < count:
+            _, fds, _, _ = socket.recv_fds(mine, 16, 16)
+            connections += [socket.socket(fileno=fd) for fd in fds]
+    return connections
 
 
 # -- 1. no bearer to an impostor ---------------------------------------------------------------------

@@ -43,10 +43,11 @@ from .._core.options import FlushOptions, RecoverOptionKwargs
 from .._core.resolve import normalize_instance_ids, normalize_server_urls
 from .._core.text import shown
 from .._process.liveness import LockFile, LockFolder, lock_folder_path
+from .._process.proc import process_start_time
 from .._process.record import DEFAULT_HEARTBEAT
 from .._process.trust import directory_problem
 from .._process.watch_loop import Channel, WatchLoop, io_error, trainer_name
-from .._process.wire import LOCK_WORD, MAX_IDS, STATUS, BadLine, send_with_fd, write_all
+from .._process.wire import LOCK_WORD, MAX_IDS, RECORDED, STATUS, BadLine, send_with_fd, write_all
 from .._watchdog.guard_client import PEERCRED, connect_to_guard
 from .flushes import TAKEOVER_GRACE, DeathFlushes, LedgerRecovery
 from .metrics import GuardMetrics
@@ -65,6 +66,7 @@ HELD_COST: Final = 2  # what a held state costs in memory, in bytes of its line:
 STATUS_TIMEOUT: Final = 2.0  # seconds ``--status`` waits for an answer
 FD_RESERVE: Final = 256  # descriptors never given to peers: flushes, the ledger, stderr
 SAY_EVERY: Final = 60.0  # seconds between two lines of the same kind (retries, drops, refusals)
+CLOSE_DRAIN: Final = 5.0  # seconds a closing guard waits for its record writes before its own lock goes
 MAX_QUEUED_LINES: Final = 1000  # stderr lines waiting for a stalled stderr; later ones are dropped
 # The options a trainer hands over: FlushOptions' fields but the bearer (sent as per-id tokens).
 _OPTION_KEYS: Final = frozenset(RecoverOptionKwargs.__optional_keys__) - {"admin_secret", "bearer"}
@@ -200,8 +202,10 @@ class _GuardLocks:
     """The guard's lock folder: its own lock for life, each trainer's made and passed over the socket,
     removed when the trainer settles (on a thread of its own), all touched every heartbeat."""
 
-    def __init__(self, path: str, say: Callable[[str], None], say_once: Callable[[str, str], None]) -> None:
+    def __init__(self, path: str, say: Callable[[str], None], say_once: Callable[[str, str], None],
+                 ledger: bool) -> None:
         self.folder = LockFolder(lock_folder_path(path))
+        self._ledger = ledger  # with no ledger, no record names a lock: ``recorded`` comes with it
         self._say, self._say_once = say, say_once
         self._life: tuple[int, LockFile] | None = None  # this guard's own lock while it lives (records name it)
         self._io = _SerialWorker("swe-flush-guard-locks")
@@ -231,8 +235,9 @@ class _GuardLocks:
             self._say_once("lock", f"cannot make a trainer's lock file in {shown(self.folder.path)} "
                                    f"({exc.strerror or exc}): its death is the end of its connection")
             return
+        words = LOCK_WORD + b"\n" + (b"" if self._ledger else RECORDED + b"\n")
         try:
-            send_with_fd(channel.reply_fd, LOCK_WORD + b"\n", fd)
+            send_with_fd(channel.reply_fd, words, fd)
         except OSError:  # the trainer reads nothing: it holds no lock, and is judged by its connection
             self.folder.remove(lock)
             return
@@ -446,7 +451,8 @@ class Guard:
         self._handed_over: set[Channel] = set()  # closed by this guard at the end of its drain: not dead
         self.budget = _HeldBudget(max_held)
         self._lines = _Lines(self.say)
-        self.locks = _GuardLocks(path, self.say, self._lines.say)
+        self.locks = _GuardLocks(path, self.say, self._lines.say, ledger is not None)
+        self._recorded: queue.SimpleQueue[Channel] = queue.SimpleQueue()  # records written that name a new lock
         self._stopping_since: float | None = None
         self._stop = threading.Event()
         self._wake_read, self._wake_write = os.pipe()
@@ -512,7 +518,9 @@ class Guard:
         channel = Channel(fd, fd, pid, trainer_uid=uid, strict=True, ledger=self.ledger, heartbeat=self.heartbeat,
                           check=functools.partial(self._checked, pid=pid, uid=uid, peer=peer), status=self._status,
                           ledger_io=self._records.submit if self._records is not None else None,
-                          locks=self.locks.named, armed=self.locks.give, offload=self._offload)
+                          locks=self.locks.named, armed=self.locks.give, offload=self._offload,
+                          recorded=self._on_recorded, listener=self._pass_listener)
+        channel.trainer_start = process_start_time(pid) if pid > 0 else None
         self.budget.admit(channel, peer)
         self.loop.add(channel)
 
@@ -533,6 +541,18 @@ class Guard:
         self._parsed.put((channel, _CheckedState.parse(self._parser_process, line), len(line)))
         with contextlib.suppress(OSError):
             os.write(self._wake_write, b"p")
+
+    def _on_recorded(self, channel: Channel) -> None:
+        """On the ledger thread: a record naming ``channel``'s lock is written; the loop tells the trainer."""
+        self._recorded.put(channel)
+        with contextlib.suppress(OSError):
+            os.write(self._wake_write, b"r")
+
+    def _pass_listener(self, channel: Channel) -> None:
+        """A successor asks for the listening socket: passed once this guard is draining and the
+        asker holds the path's lock (see ``SocketPath.pass_listener``)."""
+        if self._stopping_since is not None:
+            self.socket.pass_listener(channel.reply_fd)
 
     def _settled(self, channel: Channel) -> None:
         """A trainer settled (disarmed, flushed, dropped): its budget freed, its lock file removed."""
@@ -615,6 +635,13 @@ class Guard:
             except queue.Empty:
                 break
             self.loop.take_parsed(channel, parsed, size)
+        while True:
+            try:
+                channel = self._recorded.get_nowait()
+            except queue.Empty:
+                break
+            if channel in self.loop.channels:
+                channel.tell(RECORDED)
         if self._stop.is_set() and self._stopping_since is None:
             self._stopping_since = time.monotonic()
             self.socket.hand_over()  # a successor binds at once; until then new trainers arm here, and all
@@ -629,11 +656,11 @@ class Guard:
     def close(self) -> None:
         """Give up the path; release this guard's own lock; write what is queued."""
         self.socket.give_up()
+        if self._records is not None:  # before this guard's own lock goes: the records it names are written
+            self._records.drain(CLOSE_DRAIN)
         self.locks.close()
         self._parser_process.close()
         self._lines.say_held_back()
-        if self._records is not None:
-            self._records.drain(1.0)
         self._stderr.drain(1.0)
 
     def serve(self) -> int:

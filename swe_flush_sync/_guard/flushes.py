@@ -26,7 +26,8 @@ from .._core.failures import unreachable
 from .._core.options import FlushOptions
 from .._core.report import FlushReport
 from .._core.resolve import URL_ENV_VARS, resolve_server_urls
-from .._process.liveness import LockFolder, is_held
+from .._process.liveness import LockFolder, LockState, is_held
+from .._process.ownership import Verdict, judge
 from .._process.proc import Place, process_start_time
 from .._process.record import Record
 from .._process.watch_loop import Channel
@@ -117,7 +118,15 @@ class DeathFlushes:
         if lock is not None and channel.token in self._connected:
             self._done(channel)
             return
-        if lock is not None and self._lock_folder.held(lock):
+        state = self._lock_folder.state(lock) if lock is not None else LockState.UNKNOWN
+        verdict = judge(state, channel.trainer_alive())
+        if verdict in (Verdict.HANDED, Verdict.DISARMED):  # it let the lock go for a newer guard's, or disarmed
+            self._done(channel)
+            return
+        if verdict is Verdict.ALIVE or (state is LockState.FREE and verdict is Verdict.UNKNOWN):
+            if state is LockState.FREE:  # its pid lives: watched until it is gone (pid and start time)
+                self._say_once("let go", f"trainer {channel.who} let its lock go unmarked and lives on (its lock's "
+                                         "descriptor closed by other code?): it is flushed once its pid is gone")
             self.pool.submit(functools.partial(self._flush_once_gone, channel, ended,
                                                min(recheck * 2, LOCK_RECHECK_MAX)), recheck, _servers(channel, None))
             return

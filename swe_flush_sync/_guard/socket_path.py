@@ -5,9 +5,12 @@ guard exits, however busy the first. A stale socket (a guard that died, or anoth
 replaced; a path removed or replaced while the guard lives (a tmp cleaner, another container on
 a shared folder) is taken back within ``PATH_CHECK`` seconds. Accepting pauses at EMFILE.
 
-A draining guard lets the path's lock go but keeps listening, so that the path always answers:
-a successor takes the lock, replaces the draining guard's socket (one answering "draining" is
-not a guard serving the path) and binds; the draining guard then stops listening.
+A draining guard lets the path's lock go but keeps listening, so that the path always answers: a
+successor takes the lock and asks the draining guard for its listening socket (``listener``, passed
+with ``SCM_RIGHTS`` as nginx and HAProxy do on a seamless reload), which then accepts no more; the
+connections waiting in the socket's queue are the successor's. No client ever finds the path
+missing or refused. A successor that finds no draining guard binds a fresh socket beside the path
+and renames it over whatever stale socket is there (never a moment with no file at the path).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import secrets
 import socket
 import stat
 import time
@@ -26,12 +30,13 @@ from .._core.text import shown
 from .._process.liveness import UNSUPPORTED
 from .._process.trust import ownership_problem
 from .._process.watch_loop import WatchLoop
-from .._process.wire import MAX_SOCKET_PATH
-from .._watchdog.guard_client import ImpostorError
+from .._process.wire import LISTENER, MAX_SOCKET_PATH, send_with_fd
+from .._watchdog.guard_client import ImpostorError, connect_to_guard
 
 PATH_CHECK: Final = 2.0  # seconds between two checks that the socket path is still the guard's
 PAUSE: Final = 0.1  # seconds accepting pauses at EMFILE or when every peer holds a trainer
 ACCEPT_BATCH: Final = 64  # connections accepted in one turn of the loop, then the others get theirs
+INHERIT_TIMEOUT: Final = 2.0  # seconds a successor waits for a draining guard to pass its listening socket
 
 
 class GuardError(Exception):
@@ -59,10 +64,13 @@ class SocketPath:
         self._listener: socket.socket | None = None
         self._identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket file we bound
         self._lock_fd: int | None = None
+        self.passed = False  # the listening socket was passed to a successor: the path is its own now
+        self.inherited = False  # this guard's listening socket was passed to it by a draining predecessor
         self.handed_over = False  # draining: the lock is let go, the socket answers until a successor binds
         self._lost = False  # the path was removed or replaced and is not taken back yet
         self.paused_until: float | None = None
         self._checked_at = time.monotonic()
+        self._stale_owner = ""  # who owned a stale socket found at the path (said if it cannot be replaced)
 
     def check(self) -> None:
         """Check the path's length and its folder (made 0700 if missing).
@@ -86,6 +94,8 @@ class SocketPath:
             GuardError: another guard serves the path, or it cannot be taken.
         """
         self._take_lock()
+        if self._inherit():
+            return
         self._take_path()
         self._listen()
 
@@ -158,6 +168,82 @@ class SocketPath:
             os.close(self._lock_fd)
             self._lock_fd = None
 
+    def pass_listener(self, reply_fd: int) -> None:
+        """Draining: pass the listening socket over ``reply_fd`` to the successor that asked, once it
+        holds the path's lock (no other process may have it), and accept no more here."""
+        if self._listener is None or not self.handed_over or not self._lock_taken_by_another():
+            return
+        try:
+            send_with_fd(reply_fd, LISTENER + b"\n", self._listener.fileno())
+        except OSError:
+            return
+        self._loop.unwatch(self._listener.fileno())
+        self._listener.close()  # the successor's copy listens on: nothing waiting in its queue is lost
+        self._listener = None
+        self.passed = True
+        self._say(f"passed the listening socket at {shown(self.path)} to the successor; new trainers arm with it")
+
+    def _lock_taken_by_another(self) -> bool:
+        """Does another process hold the path's lock now (the successor, after ``hand_over``)?"""
+        try:
+            fd = os.open(self.path + ".lock", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            if ownership_problem(os.fstat(fd)) is not None:
+                return False
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+        return False
+
+    def _inherit(self) -> bool:
+        """Ask a draining guard of this uid (or root) at the path for its listening socket; True when it
+        was passed and is listened on here."""
+        try:
+            sock = connect_to_guard(self.path, INHERIT_TIMEOUT)
+        except (OSError, ImpostorError):
+            return False  # nobody answers (a stale socket, or none), or another uid's: bound afresh
+        with sock:
+            try:
+                sock.sendall(b'{"listener": true}\n')
+                data, fds = b"", list[int]()
+                while not data.endswith(b"\n") and not fds:
+                    chunk, ancillary, _, _ = sock.recvmsg(256, socket.CMSG_SPACE(4), socket.MSG_CMSG_CLOEXEC)
+                    fds += [int.from_bytes(payload[i:i + 4], "little", signed=True) for level, kind, payload
+                            in ancillary if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
+                            for i in range(0, len(payload) - len(payload) % 4, 4)]
+                    if not chunk:
+                        break
+                    data += chunk
+            except OSError:
+                return False
+        listener = None
+        for fd in fds:
+            if listener is None and data.startswith(LISTENER + b"\n"):
+                listener = socket.socket(fileno=fd)
+            else:
+                os.close(fd)
+        if listener is None:
+            return False
+        if (listener.family != socket.AF_UNIX or listener.type != socket.SOCK_STREAM
+                or not listener.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)):
+            listener.close()
+            return False
+        try:
+            info = os.lstat(self.path)
+        except OSError:
+            listener.close()
+            return False
+        listener.setblocking(False)
+        self._listener, self._identity, self.inherited = listener, (info.st_dev, info.st_ino), True
+        self._loop.watch(listener.fileno(), self._on_readable)
+        return True
+
     def give_up(self) -> None:
         """Stop listening; remove the socket file only while it is still ours; release the path's lock."""
         self._lost = False
@@ -174,23 +260,59 @@ class SocketPath:
             self._lock_fd = None
 
     def _listen(self) -> None:
-        """Bind the path (the socket file made 0600) and listen on it."""
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        umask = os.umask(0o177)  # the socket file is made 0600: connecting needs write permission on it
+        """Listen on a fresh socket (its file made 0600) at the path: bound beside it and renamed over
+        it, so that the path is never missing; bound at the path itself where the name beside it is
+        too long or cannot be used."""
+        beside = f"{self.path}.{secrets.token_hex(4)}"
+        listener = None
+        if len(os.fsencode(beside)) <= MAX_SOCKET_PATH:
+            with contextlib.suppress(OSError):
+                listener = self._bound(beside)
+                try:
+                    os.rename(beside, self.path)
+                except OSError:
+                    listener.close()
+                    listener = None
+                    with contextlib.suppress(OSError):
+                        os.unlink(beside)
+        if listener is None:
+            try:
+                with contextlib.suppress(FileNotFoundError):  # (removed meanwhile: a draining guard's end)
+                    if stat.S_ISSOCK(os.lstat(self.path).st_mode):
+                        os.unlink(self.path)
+            except OSError as exc:
+                raise GuardError(f"cannot remove the socket {shown(self.path)}{self._stale_owner}: "
+                                 f"{exc.strerror or exc}; remove it as that user, or run the guard as that user") \
+                    from None
+            try:
+                listener = self._bound(self.path)
+            except OSError as exc:
+                raise GuardError(f"cannot listen on {shown(self.path)}: {exc.strerror or exc}") from None
         try:
-            listener.bind(self.path)
             info = os.lstat(self.path)
         except OSError as exc:
             listener.close()
             raise GuardError(f"cannot listen on {shown(self.path)}: {exc.strerror or exc}") from None
-        finally:
-            os.umask(umask)
         self._identity = (info.st_dev, info.st_ino)
-        os.chmod(self.path, 0o600)
-        listener.listen(128)
         listener.setblocking(False)
         self._listener = listener
         self._loop.watch(listener.fileno(), self._on_readable)
+
+    @staticmethod
+    def _bound(path: str) -> socket.socket:
+        """A socket bound at ``path`` (its file 0600: connecting needs write permission on it), listening."""
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        umask = os.umask(0o177)
+        try:
+            listener.bind(path)
+            os.chmod(path, 0o600)
+            listener.listen(128)
+        except OSError:
+            listener.close()
+            raise
+        finally:
+            os.umask(umask)
+        return listener
 
     def _check_folder(self, folder: str) -> None:
         """Refuse a folder another (non-root) user owns. One that others may write without the sticky bit
@@ -226,9 +348,9 @@ class SocketPath:
         except OSError as exc:
             raise GuardError(f"cannot open the lock {shown(lock_path)}: {exc.strerror or exc}") from None
         problem = ownership_problem(os.fstat(fd))
-        if problem is not None:
+        if problem is not None:  # planted by another uid: a fresh lock file of ours is renamed over it
             os.close(fd)
-            raise GuardError(f"the lock {shown(lock_path)} {problem}")
+            fd = self._replace_lock(lock_path, problem)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -242,6 +364,26 @@ class SocketPath:
                       "file system): one guard per path is not enforced, and trainers are judged by a grace and "
                       "their heartbeat; put the socket on a local file system")
         self._lock_fd = fd
+
+    def _replace_lock(self, lock_path: str, problem: str) -> int:
+        """A fresh lock file of this guard's, renamed over one another uid planted at ``lock_path``; its
+        descriptor. ``GuardError`` when it cannot be (a sticky folder that file's owner shares)."""
+        beside = f"{lock_path}.{secrets.token_hex(4)}"
+        try:
+            fd = os.open(beside, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise GuardError(f"the lock {shown(lock_path)} {problem}, and no lock can be made beside it: "
+                             f"{exc.strerror or exc}") from None
+        try:
+            os.rename(beside, lock_path)
+        except OSError as exc:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(beside)
+            raise GuardError(f"the lock {shown(lock_path)} {problem}, and it cannot be replaced: "
+                             f"{exc.strerror or exc}") from None
+        self._say_once("lock replaced", f"the lock {shown(lock_path)} {problem}: replaced by this guard's own")
+        return fd
 
     def _take_path(self) -> None:
         try:
@@ -257,12 +399,8 @@ class SocketPath:
             # (a draining guard's socket, or none that answers: replaced)
         except ImpostorError as exc:  # the lock is ours, so the path is: another uid's socket is replaced
             served_by = f", served by uid {exc.uid}"
-        try:
-            os.unlink(self.path)  # a stale socket left by a guard that died, or another uid's
-        except OSError as exc:
-            raise GuardError(f"cannot remove the socket {shown(self.path)} (owned by uid {info.st_uid}"
-                             f"{served_by}): {exc.strerror or exc}; remove it as that user, or run the guard as "
-                             "that user") from None
+        self._stale_owner = f" (owned by uid {info.st_uid}{served_by})"
+        # (a stale socket, or another uid's: _listen renames a fresh one over it)
         if served_by:
             self._say_once("path squatted", f"replaced the socket at {shown(self.path)}{served_by}: this guard holds "
                                             "the path's lock")

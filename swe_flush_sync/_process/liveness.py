@@ -23,12 +23,27 @@ import fcntl
 import os
 import secrets
 import stat
+from enum import Enum
 from typing import Final, NamedTuple
 
 from .trust import ownership_problem
 
 LOCKS_SUFFIX: Final = ".locks"
 UNSUPPORTED: Final = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS})
+
+
+DISARMED_MARK: Final = b"disarmed\n"  # written by a trainer into its lock files as it disarms (see ``ownership``)
+HANDED_MARK: Final = b"handed\n"  # ... into an older lock it lets go once a newer guard's is on record
+
+
+class LockState(Enum):
+    """What a lock file says of its holder."""
+
+    HELD = "held"  # a live process holds it
+    FREE = "free"  # nobody holds it: its holder let it go or died
+    DISARMED = "disarmed"  # nobody holds it, and its holder wrote that it disarmed first
+    HANDED = "handed"  # nobody holds it, and its holder wrote that a newer guard's lock replaced it
+    UNKNOWN = "unknown"  # the folder may not be believed, the file is gone or another inode, or no flock here
 
 
 class LockFile(NamedTuple):
@@ -99,12 +114,12 @@ class LockFolder:
                 os.unlink(name, dir_fd=self._fd)
             raise
 
-    def held(self, lock: LockFile) -> bool | None:
-        """``is_held`` of a lock file of this folder, through the folder this guard opened and checked."""
+    def state(self, lock: LockFile) -> LockState:
+        """``lock_state`` of a lock file of this folder, through the folder this guard opened and checked."""
         folder, name = os.path.split(lock.path)
         if self._fd is None or folder != self.path:
-            return None
-        return _held_in(self._fd, name, lock.inode)
+            return LockState.UNKNOWN
+        return _state_in(self._fd, name, lock.inode)
 
     def remove(self, lock: LockFile) -> None:
         """Remove a lock file of this folder, if it is still the one ``lock`` names; never raises."""
@@ -132,39 +147,46 @@ class LockFolder:
             self._fd = None
 
 
-def is_held(lock: LockFile) -> bool | None:
-    """True when a live process holds ``lock``, False when none does (its holder is gone), None when
-    that cannot be told: its folder may not be believed, the file is gone or is another inode, or
-    the file system has no ``flock``."""
+def lock_state(lock: LockFile) -> LockState:
+    """What ``lock`` says of its holder (``LockState``): its folder and file are checked first."""
     folder, name = os.path.split(lock.path)
     try:
         folder_fd = _open_folder(folder)
     except OSError:
-        return None
+        return LockState.UNKNOWN
     try:
-        return _held_in(folder_fd, name, lock.inode)
+        return _state_in(folder_fd, name, lock.inode)
     finally:
         os.close(folder_fd)
 
 
-def _held_in(folder_fd: int, name: str, inode: str) -> bool | None:
+def is_held(lock: LockFile) -> bool | None:
+    """True when a live process holds ``lock``, False when none does, None when that cannot be told."""
+    state = lock_state(lock)
+    return None if state is LockState.UNKNOWN else state is LockState.HELD
+
+
+def _state_in(folder_fd: int, name: str, inode: str) -> LockState:
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=folder_fd)
     except OSError:
-        return None
+        return LockState.UNKNOWN
     try:
         info = os.fstat(fd)
         if _inode(info) != inode or ownership_problem(info) is not None:
-            return None
+            return LockState.UNKNOWN
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # released at once by the close below
         except BlockingIOError:
-            return True
+            return LockState.HELD
         except OSError:
-            return None
-        return False
+            return LockState.UNKNOWN
+        return _MARKS.get(os.pread(fd, 16, 0), LockState.FREE)
     finally:
         os.close(fd)
+
+
+_MARKS: Final = {DISARMED_MARK: LockState.DISARMED, HANDED_MARK: LockState.HANDED}
 
 
 def remove_if_free(lock: LockFile) -> None:

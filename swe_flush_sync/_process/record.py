@@ -19,7 +19,8 @@ from typing import Any, Final
 
 from .._core.errors import ConfigError
 from .._core.resolve import normalize_instance_ids, normalize_server_urls
-from .liveness import LockFile, is_held, record_lock
+from .liveness import LockFile, LockState, is_held, lock_state, record_lock
+from .ownership import Verdict, judge
 from .proc import Place, alive, process_start_time
 from .trust import ownership_problem
 from .wire import MAX_STATE_BYTES
@@ -149,23 +150,36 @@ class Record:
 
     def owner_gone(self, here: Place, now: float) -> bool:
         """Marked gone by its keeper; else what the locks prove (a live guard's record is its own; a
-        trainer lives while its lock is held); else, in this host, boot and PID namespace, its keeper
-        is not alive and the trainer is dead; else (elsewhere, or a pid its guard could not see) the
-        heartbeat is stale."""
+        trainer lives while its lock is held; a free lock is a death unless it was marked or its pid
+        lives here: see ``ownership``); else, in this host, boot and PID namespace, its keeper is not
+        alive and the trainer is dead; else (elsewhere, or a pid its guard could not see) the heartbeat
+        is stale."""
         if self.gone:
             return True
         guard_lock, trainer_lock = self.locks()
         if guard_lock is not None and is_held(guard_lock):
             return False
-        trainer_alive = is_held(trainer_lock) if trainer_lock is not None else None
-        if trainer_alive is not None:
-            return not trainer_alive
+        if trainer_lock is not None:
+            verdict = judge(lock_state(trainer_lock), self.trainer_alive(here))
+            if verdict is not Verdict.UNKNOWN and verdict is not Verdict.HANDED:
+                return verdict is Verdict.DEAD
         if here.boot_id is not None and here.pid_ns is not None and self.place == here:
             if alive(self.watchdog_pid, self.watchdog_start_time):
                 return False
             if self.start_time is not None:
                 return not alive(self.pid, self.start_time)
         return self.stale(now)
+
+    def trainer_alive(self, here: Place) -> bool | None:
+        """Is the trainer's pid (with its start time) alive? None where it cannot be seen from ``here``."""
+        if here.boot_id is None or here.pid_ns is None or self.place != here or self.start_time is None:
+            return None
+        return alive(self.pid, self.start_time)
+
+    def disarmed(self) -> bool:
+        """Did its trainer disarm (its lock free and marked so)? Such a record is removed, never flushed."""
+        _, trainer_lock = self.locks()
+        return trainer_lock is not None and lock_state(trainer_lock) is LockState.DISARMED
 
     def dying(self, here: Place) -> bool:
         """In this host, boot and PID namespace: its trainer is dead and its watchdog still runs (flushing

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 from .liveness import LockFile
+from .proc import alive
 from .record import DEFAULT_HEARTBEAT, RecordKeeper
 from .wire import (
     CANCEL,
@@ -76,7 +77,9 @@ class Channel:
                  ledger_io: LedgerIO | None = None, status: Callable[[], bytes] | None = None,
                  locks: Callable[[Channel], dict[str, LockFile | None]] | None = None,
                  armed: Callable[[Channel], None] | None = None,
-                 offload: Callable[[Channel, bytearray], None] | None = None) -> None:
+                 offload: Callable[[Channel, bytearray], None] | None = None,
+                 recorded: Callable[[Channel], None] | None = None,
+                 listener: Callable[[Channel], None] | None = None) -> None:
         self.read_fd = read_fd
         self.reply_fd = reply_fd
         self.trainer_pid = trainer_pid  # as this process's PID namespace sees it: 0 from another one
@@ -90,6 +93,10 @@ class Channel:
         self._locks = locks
         self._armed = armed  # a guard: called with a trainer's first state taken, before "held"
         self.lock: LockFile | None = None  # the lock file a guard gave the trainer (see _process.liveness)
+        self.lock_recorded = False  # a record naming ``lock`` was written (the trainer was told ``recorded``)
+        self._recorded = recorded  # a guard: called (on its ledger thread) once a record names ``lock``
+        self._listener = listener  # a guard: a successor asks for the listening socket
+        self.trainer_start: int | None = None  # the trainer's start time, where its pid can be seen here
         self._offload = offload  # a guard parses lines over OFFLOAD_BYTES on a worker: the loop never waits on one
         self.parsing = False  # a line of this channel is being parsed elsewhere: the lines after it wait
         self.state: dict[str, Any] | None = None
@@ -214,6 +221,9 @@ class Channel:
         if message.get("disarm") is True:
             self.disarmed = True
             return False
+        if message.get("listener") is True and self._listener is not None:  # a successor guard
+            self._listener(self)
+            return False
         if message.get("status") is True:  # a probe (swe-flush guard --status): how many trainers are held
             self.tell(STATUS + b" %d " % os.getpid() + (self._status() if self._status else b"1"))
             return True
@@ -259,7 +269,19 @@ class Channel:
         if state is not None:
             self.keeper.update(state)
         self.next_beat = time.monotonic() + self.keeper.heartbeat
-        self._run_ledger_io(self.keeper.write)
+        self._run_ledger_io(self._write_record)
+
+    def _write_record(self) -> None:
+        """Write the record; the first write that names the trainer's lock is said (``recorded``)."""
+        assert self.keeper is not None
+        self.keeper.write()
+        if self.lock is not None and not self.lock_recorded and self._recorded is not None:
+            self.lock_recorded = True
+            self._recorded(self)
+
+    def trainer_alive(self) -> bool | None:
+        """Is the trainer's pid still the process that connected? None where it cannot be seen."""
+        return alive(self.trainer_pid, self.trainer_start) if self.trainer_start is not None else None
 
     def _run_ledger_io(self, job: Callable[[], None]) -> None:
         """Run a record write or removal (a guard queues it), saying each new failure once."""
@@ -300,7 +322,7 @@ class Channel:
         """Say in the record that the trainer is gone and not yet flushed, so any recover may take it."""
         if self.keeper is not None:
             self.keeper.gone = True
-            self._run_ledger_io(self.keeper.write)
+            self._run_ledger_io(self._write_record)
 
     def settle(self, report: FlushReport | None) -> None:
         """Remove the record after a flush that succeeded (or nothing to flush, or a disarm)."""

@@ -3,7 +3,9 @@ its shape check and the line parser. Standard library only (the watchdog process
 
 A trainer writes one JSON object a line: ``{"seq": N, "v": PROTOCOL, "state": {...}}``,
 ``{"disarm": true}`` or ``{"status": true}``. The far end answers with one word a line: ``held``,
-``refused``, ``ledger``, ``status`` or ``lock`` (below; a guard passes a descriptor with ``lock``).
+``refused``, ``ledger``, ``status``, ``lock`` or ``recorded`` (below; a guard passes a descriptor with
+``lock``). A successor guard asks its draining predecessor ``{"listener": true}`` and is passed the
+listening socket with ``listener``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ HELD: Final = b"held"  # "held SEQ PID PROTOCOL": the far end holds state SEQ wh
 LEDGER: Final = b"ledger"  # "ledger ok", or "ledger WHY" when its record could not be written
 REFUSED: Final = b"refused"  # "refused WHY": a guard will not hold this state; the connection ends
 LOCK_WORD: Final = b"lock"  # sent with a lock file's descriptor (SCM_RIGHTS), before "held": hold it while you live
+RECORDED: Final = b"recorded"  # the ledger record names the lock passed last: older locks may go (see ownership)
+LISTENER: Final = b"listener"  # sent with a draining guard's listening socket to its successor (SCM_RIGHTS)
 MAX_PASSED_FDS: Final = 4  # descriptors one read takes from a guard (it passes one at a time)
 
 

@@ -14,6 +14,7 @@ import os
 import secrets
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
 
@@ -225,7 +226,8 @@ class Watchdog:
             self._end.retire()
             if self in _watchdogs:
                 _watchdogs.remove(self)
-            if not link.open:
+            if not link.open:  # no guard answers: the locks say the disarm (a successor flushes nothing)
+                link.release_lock()
                 return
             link.queue_disarm()
             busy = link.talk() and link.unwritten
@@ -248,16 +250,23 @@ class Watchdog:
     def _start(self, patience: float | None = None) -> None:
         """Open the link, hand over the state and wait up to ``patience`` until it is held; or raise."""
         patience = ARM_TIMEOUT if patience is None else patience
+        started = time.monotonic()
         self._starting = True
         try:
             self._end.prepare()
             payload, pairs = self._source.state(lock=self._end.wants_lock, last=self._link.payload)
-            process = self._end.open(patience)
-            with link_module.LOCK:
-                if not self._link.retired:
-                    self._link.queue(payload, pairs)
-            held = not self._link.retired and self._link.confirm(patience)
-            self._end.opened(held, process, payload, patience)
+            while True:
+                process = self._end.open(max(started + patience - time.monotonic(), 0.0))
+                with link_module.LOCK:
+                    if not self._link.retired:
+                        self._link.queue(payload, pairs)
+                held = not self._link.retired and self._link.confirm(max(started + patience - time.monotonic(), 0.0))
+                with link_module.LOCK:  # a guard that went away before it held the state (mid-hand-over)
+                    again = (not held and not self._link.retired and not self._link.open and self._end.reconnects
+                             and self._link.refused is None and time.monotonic() < started + patience)
+                if not again:
+                    break
+            self._end.opened(held, process, payload, time.monotonic() - started)
         except BaseException:
             self._end.release()
             raise

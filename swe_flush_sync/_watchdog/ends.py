@@ -46,6 +46,7 @@ class End:
     """What a watchdog's far end does at each point of its life; the base does nothing."""
 
     wants_lock = False  # asks its far end for a lock to hold (a guard's: see _liveness)
+    reconnects = False  # arming tries again when the far end goes away before it held the state
 
     def __init__(self, link: Link) -> None:
         self.link = link
@@ -58,8 +59,9 @@ class End:
         """Open the link's ends (trying up to ``patience`` s); the process started, if any."""
         raise NotImplementedError
 
-    def opened(self, held: bool, process: subprocess.Popen[bytes] | None, payload: bytes, patience: float) -> None:
-        """After the first state was handed over: unless retired meanwhile, raise if it was not ``held``."""
+    def opened(self, held: bool, process: subprocess.Popen[bytes] | None, payload: bytes, waited: float) -> None:
+        """After the first state was handed over (``waited`` s after arming began): unless retired
+        meanwhile, raise if it was not ``held``."""
 
     def before_refresh(self, payload: bytes, patience: float) -> None:
         """Before ``payload`` is handed over by a refresh that waits at most ``patience`` seconds."""
@@ -127,7 +129,7 @@ class ProcessEnd(End):
             self.link.take_ends(control, ready)
         return process
 
-    def opened(self, held: bool, process: subprocess.Popen[bytes] | None, payload: bytes, patience: float) -> None:
+    def opened(self, held: bool, process: subprocess.Popen[bytes] | None, payload: bytes, waited: float) -> None:
         assert process is not None
         try:
             process.wait(ARM_TIMEOUT)  # the first process exits once it has forked: no zombie is left
@@ -175,6 +177,7 @@ class GuardEnd(End):
     replaces it)."""
 
     wants_lock = True
+    reconnects = True
 
     def __init__(self, link: Link, path: str, token: str) -> None:
         super().__init__(link)
@@ -187,7 +190,8 @@ class GuardEnd(End):
     def open(self, patience: float) -> None:
         """Connect, trying for up to ``patience`` (a sidecar may start later); ``FlushError`` (or
         ``ImpostorError``: another user listens there) when it cannot."""
-        give_up_at = time.monotonic() + patience
+        started = time.monotonic()
+        give_up_at = started + patience
         while True:
             with link_module.FORK_LOCK:  # no fork between the socket's creation and its registration
                 try:
@@ -201,17 +205,20 @@ class GuardEnd(End):
                         self.link.take_ends(end, end, passes_fds=True)
                     return None
             if time.monotonic() >= give_up_at:
-                raise FlushError(f"no guard answers at {shown(self.path)} ({why})")
+                raise FlushError(f"no guard answers at {shown(self.path)} ({why}; tried for "
+                                 f"{time.monotonic() - started:.1f} s)")
             time.sleep(0.05)
 
-    def opened(self, held: bool, process: subprocess.Popen[bytes] | None, payload: bytes, patience: float) -> None:
+    def opened(self, held: bool, process: subprocess.Popen[bytes] | None, payload: bytes, waited: float) -> None:
         if not held:
             if self.link.retired:
                 return
             with link_module.LOCK:
+                lost = not self.link.open
                 self.link.close()
             self.after_refresh(payload)
-            raise FlushError(f"the guard at {shown(self.path)} did not take the state in {patience:g} s")
+            raise FlushError(f"the guard at {shown(self.path)} did not take the state in {waited:.1f} s"
+                             + (" (it went away before it held it, and no guard took it since)" if lost else ""))
         self._check_protocol()
         if self._following is None:  # the follower thread (once)
             self._following = threading.Event()

@@ -26,7 +26,8 @@ import weakref
 from collections.abc import Callable
 from typing import Final
 
-from .._process.wire import CANCEL, HELD, LOCK_WORD, PROTOCOL, REFUSED, receive_with_fds
+from .._process.ownership import HeldLocks
+from .._process.wire import CANCEL, HELD, LOCK_WORD, PROTOCOL, RECORDED, REFUSED, receive_with_fds
 
 _DISARM: Final = b'{"disarm": true}\n'
 _END_CUT_LINE: Final = CANCEL + b"\n"
@@ -111,7 +112,7 @@ class Link:
         self.refused_at = 0.0  # ... and when
         self._passes_fds = False  # the ready end is a guard's socket: read with the descriptors it passes
         self._passed: list[Fd] = []  # descriptors passed, not yet named by a word
-        self.lock: Fd | None = None  # the newest lock a guard passed ("lock"): held while this process lives
+        self.locks = HeldLocks()  # the locks guards passed ("lock"), held while this process lives (see ownership)
         _links.add(self)
 
     @property
@@ -210,12 +211,11 @@ class Link:
                 self.held, self.pid = max(self.held, int(seq)), int(pid)
                 self.protocol = int(protocol[0]) if protocol and protocol[0].isdigit() else 1
                 self.refused = None
-        elif word == LOCK_WORD:  # the newest lock replaces the one before (its guard holds this trainer no more)
+        elif word == LOCK_WORD:  # the newest lock; the one before is kept until this one is on record
             if self._passed:
-                lock, old, self.lock = self._passed.pop(0), self.lock, None
-                if old is not None:
-                    old.close()
-                self.lock = lock
+                self.locks.take(self._passed.pop(0))
+        elif word == RECORDED:  # the newest lock's guard wrote the record naming it: the older ones go
+            self.locks.recorded()
         elif word == REFUSED:
             self.refused, self.refused_payload = rest.decode("utf-8", "replace"), self.payload
             self.refused_at = time.monotonic()
@@ -298,16 +298,15 @@ class Link:
         self._passed.clear()
 
     def release_lock(self) -> None:
-        """Close the lock a guard passed (a disarm: no guard need prove this trainer alive any more)."""
-        lock, self.lock = self.lock, None
-        if lock is not None:
-            lock.close()
+        """A disarm: the locks guards passed are marked ``disarmed`` and let go (no guard need prove
+        this trainer alive any more, and none that finds them free flushes it)."""
+        self.locks.disarm()
 
     def forget_in_child(self) -> None:
         """In a forked child: the ends, the lock (its copy closed with the ends) and the reader are the parent's."""
         self._control = self._ready = None
         self._reader = None
-        self.lock = None
+        self.locks.forget()
         self._passed = []
         self.retired = True
 

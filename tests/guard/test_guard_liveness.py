@@ -35,6 +35,7 @@ from ..helpers import (
     a_state,
     answer,
     connect,
+    connections_of_a_gone_process,
     namespace_init,
     needs_root,
     needs_unshare,
@@ -323,6 +324,7 @@ def _receive_lock(peer: socket.socket) -> tuple[bytes, list[int]]:
         said += data
         for _level, _kind, payload in ancillary:
             fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+        said = said.replace(b"recorded\n", b"")  # (the record names the lock: whenever it comes)
     return said, list(fds)
 
 
@@ -335,8 +337,8 @@ def test_lock_files_and_records_do_not_pile_up(start_guard: StartGuard, short_di
         locks = Path(guard.socket + ".locks")
         for wave in range(10):
             peers = []
-            for number in range(100):
-                peer, lock_fd = _armed_peer(guard.socket, stub.url, wave * 100 + number)
+            for number, conn in enumerate(connections_of_a_gone_process(guard.socket, 100)):
+                peer, lock_fd = _armed_peer(guard.socket, stub.url, wave * 100 + number, conn)
                 peers.append((peer, lock_fd, number % 2 == 0))
             for peer, lock_fd, dies in peers:
                 if not dies:
@@ -373,9 +375,10 @@ def _trainer_state(url: str, number: int) -> bytes:
     return state_line(a_state(urls=[url], ids=[f"id-{number}"], trainer=f"{number:032x}", lock_fd=True))
 
 
-def _armed_peer(path: str, url: str, number: int) -> tuple[socket.socket, int]:
-    """Trainer ``number`` armed as a raw peer of the guard at ``path``: its socket and its lock's descriptor."""
-    peer = connect(path)
+def _armed_peer(path: str, url: str, number: int, peer: socket.socket | None = None) -> tuple[socket.socket, int]:
+    """Trainer ``number`` armed as a raw peer of the guard at ``path`` (over ``peer``, else a connection of
+    a process gone already: its death is the lock's): its socket and its lock's descriptor."""
+    peer = peer or connections_of_a_gone_process(path, 1)[0]
     peer.sendall(_trainer_state(url, number))
     said, fds = _receive_lock(peer)
     assert said.startswith(b"lock\nheld") and len(fds) == 1, said

@@ -329,7 +329,7 @@ def test_a_disarm_while_arming_through_a_guard_leaves_no_lock(stub: AgentServerS
     guard = start_guard(path=path)
     arming.join(20)
     assert armed == [dog] and not dog.linked
-    assert dog._link.lock is None  # the disarmed trainer holds no lock a guard passed
+    assert dog._link.locks.newest is None  # the disarmed trainer holds no lock a guard passed
     locks = folder / "guard.sock.locks"
     assert wait_until(lambda: [name for name in os.listdir(locks) if name.startswith("trainer-")] == [], 5.0)
     assert guard.proc.poll() is None and stub.requests == []  # nothing flushed: it was disarmed

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swe_flush_sync._process.liveness import LockFile, LockFolder
+from swe_flush_sync._process.liveness import LockFile, LockFolder, LockState
 from swe_flush_sync._process.proc import Place, process_start_time
 from swe_flush_sync._process.record import (
     STALE_HEARTBEATS,
@@ -115,12 +115,12 @@ def test_the_locks_decide_before_pids_and_heartbeats(tmp_path: Path) -> None:
     held, trainer_lock = folder.create("trainer-")
     try:  # a trainer whose lock is held lives, whatever its pid and heartbeat say
         assert not naming(trainer_lock, **gone_here).owner_gone(here, now)
-        assert folder.held(trainer_lock) is True
+        assert folder.state(trainer_lock) is LockState.HELD
     finally:
         os.close(held)
     # its lock free: gone, however fresh the heartbeat
     assert naming(trainer_lock, place=Place("elsewhere", None, None)).owner_gone(here, now)
-    assert folder.held(trainer_lock) is False
+    assert folder.state(trainer_lock) is LockState.FREE
     guard_fd, guard_lock = folder.create("guard-")
     try:  # a live guard's record is that guard's to flush, even with the trainer's lock free
         assert not naming(trainer_lock, guard_lock).owner_gone(here, now)
@@ -128,7 +128,7 @@ def test_the_locks_decide_before_pids_and_heartbeats(tmp_path: Path) -> None:
         os.replace(guard_lock.path, trainer_lock.path)
         assert naming(trainer_lock, **gone_here).owner_gone(here, now)
         assert not naming(trainer_lock, place=Place("elsewhere", None, None)).owner_gone(here, now)
-        assert folder.held(trainer_lock) is None
+        assert folder.state(trainer_lock) is LockState.UNKNOWN
     finally:
         os.close(guard_fd)
     # A lock that cannot be examined (no such file) leaves the rule to pids and heartbeats.

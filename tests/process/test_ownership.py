@@ -1,0 +1,169 @@
+"""One owner per trainer (issue 61): the verdicts a lock and a pid allow, the marks a trainer writes as it
+lets a lock go, and the trainer keeping its old lock until the new guard says the record names the new one."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from swe_flush_sync import recover
+from swe_flush_sync._process.liveness import LockFile, LockFolder, LockState, lock_state
+from swe_flush_sync._process.ownership import MAX_PREVIOUS_LOCKS, Verdict, judge
+from swe_flush_sync._process.proc import Place, process_start_time
+from swe_flush_sync._process.record import Record
+from swe_flush_sync._process.wire import LOCK_WORD, RECORDED, send_with_fd
+from swe_flush_sync._watchdog import link as link_module
+from swe_flush_sync._watchdog.link import Fd, Link
+from swe_flush_sync.testing import AgentServerStub
+
+from ..conftest import SECRET
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Iterator[LockFolder]:
+    locks = LockFolder(str(tmp_path / "guard.sock.locks"))
+    locks.open()
+    yield locks
+    locks.close()
+
+
+def _record(lock: LockFile, **changes: object) -> Record:
+    me = os.getpid()
+    record = Record(urls=("http://127.0.0.1:9",), ids=("a",), place=Place.here(), pid=me,
+                    start_time=process_start_time(me), watchdog_pid=None, watchdog_start_time=None,
+                    heartbeat=time.time() - 3600, heartbeat_interval=10.0, trainer="t" * 64,
+                    trainer_lock=lock.path, trainer_lock_inode=lock.inode)
+    return dataclasses.replace(record, **changes)  # type: ignore[arg-type]
+
+
+def _dead_pid() -> tuple[int, int]:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    started = process_start_time(child.pid)
+    assert started is not None
+    child.wait()
+    return child.pid, started
+
+
+def test_the_verdicts() -> None:
+    assert judge(LockState.HELD, False) is Verdict.ALIVE
+    assert judge(LockState.FREE, False) is Verdict.DEAD
+    assert judge(LockState.FREE, None) is Verdict.DEAD
+    assert judge(LockState.FREE, True) is Verdict.UNKNOWN  # let go by a live trainer: no death
+    assert judge(LockState.DISARMED, False) is Verdict.DISARMED
+    assert judge(LockState.HANDED, False) is Verdict.HANDED
+    assert judge(LockState.UNKNOWN, False) is Verdict.UNKNOWN
+
+
+def test_a_free_lock_whose_pid_lives_here_is_no_death(folder: LockFolder) -> None:
+    """1.2.0 read any free lock as a death: a resumed rank's recover flushed a live trainer whose record
+    still named a lock it had let go (3 of 3)."""
+    fd, lock = folder.create("trainer-")
+    os.close(fd)  # free
+    assert not _record(lock).owner_gone(Place.here(), time.time())  # its pid (this process) lives here
+    dead, started = _dead_pid()
+    assert _record(lock, pid=dead, start_time=started).owner_gone(Place.here(), time.time())
+    # elsewhere (another PID namespace) the pid cannot be seen: the free lock decides
+    assert _record(lock, place=Place("elsewhere", None, None), heartbeat=time.time()).owner_gone(
+        Place.here(), time.time())
+
+
+def test_a_lock_marked_disarmed_or_handed_is_no_death(folder: LockFolder) -> None:
+    dead, started = _dead_pid()
+    for word, mark, state in ((b"disarmed", b"disarmed\n", LockState.DISARMED),
+                              (b"handed", b"handed\n", LockState.HANDED)):
+        fd, lock = folder.create("trainer-")
+        os.pwrite(fd, mark, 0)
+        assert lock_state(lock) is LockState.HELD  # a mark says nothing while the lock is held
+        os.close(fd)
+        assert lock_state(lock) is state and folder.state(lock) is state, word
+        fresh = _record(lock, pid=dead, start_time=started, place=Place("elsewhere", None, None),
+                        heartbeat=time.time())
+        assert not fresh.owner_gone(Place.here(), time.time()), word  # pids and heartbeat decide: fresh
+        assert fresh.disarmed() is (state is LockState.DISARMED)
+    # a handed lock leaves a stale record to its pids and heartbeat: gone
+    assert _record(lock, pid=dead, start_time=started, place=Place("elsewhere", None, None)).owner_gone(
+        Place.here(), time.time())
+
+
+def test_recover_removes_a_disarmed_trainers_record_and_flushes_nothing(folder: LockFolder, tmp_path: Path,
+                                                                         stub: AgentServerStub) -> None:
+    """1.2.0: a trainer that disarmed while no guard ran was flushed by the next one (3 of 3)."""
+    ledger = tmp_path / "ledger"
+    ledger.mkdir(mode=0o700)
+    dead, started = _dead_pid()
+    fd, lock = folder.create("trainer-")
+    os.pwrite(fd, b"disarmed\n", 0)
+    os.close(fd)
+    _record(lock, urls=(stub.url,), pid=dead, start_time=started).write(str(ledger / "trainer-x.json"))
+    report = recover(str(ledger), servers=stub.url, environ={"HARBOR_ADMIN_SECRET": SECRET})
+    assert report.ok and stub.requests == []
+    assert os.listdir(ledger) == [] and not os.path.exists(lock.path)
+
+
+def _guard_side() -> tuple[socket.socket, Link]:
+    """A link whose far end is a socket this test writes as a guard would."""
+    guard, trainer = socket.socketpair()
+    link = Link(lambda word, rest: None)
+    end = Fd(trainer.detach())
+    os.set_blocking(end.fd, False)
+    with link_module.LOCK:
+        link.take_ends(end, end, passes_fds=True)
+    return guard, link
+
+
+def _heard(link: Link) -> None:
+    with link_module.LOCK:
+        link.talk()
+
+
+def test_the_trainer_keeps_its_old_lock_until_the_new_one_is_on_record(folder: LockFolder) -> None:
+    """1.2.0 closed the old guard's lock as the new one arrived, while the record still named the old one:
+    a recover then flushed the live trainer."""
+    guard, link = _guard_side()
+    try:
+        fd_a, lock_a = folder.create("trainer-")
+        send_with_fd(guard.fileno(), LOCK_WORD + b"\n", fd_a)
+        os.close(fd_a)
+        _heard(link)
+        assert lock_state(lock_a) is LockState.HELD
+        fd_b, lock_b = folder.create("trainer-")
+        send_with_fd(guard.fileno(), LOCK_WORD + b"\n", fd_b)
+        os.close(fd_b)
+        _heard(link)
+        assert lock_state(lock_a) is LockState.HELD and lock_state(lock_b) is LockState.HELD
+        guard.sendall(RECORDED + b"\n")
+        _heard(link)
+        assert lock_state(lock_a) is LockState.HANDED and lock_state(lock_b) is LockState.HELD
+        link.release_lock()  # a disarm
+        assert lock_state(lock_b) is LockState.DISARMED
+    finally:
+        guard.close()
+        with link_module.LOCK:
+            link.close()
+
+
+def test_a_guard_that_never_says_recorded_costs_a_bounded_number_of_locks(folder: LockFolder) -> None:
+    guard, link = _guard_side()
+    locks = []
+    try:
+        for _ in range(MAX_PREVIOUS_LOCKS + 3):
+            fd, lock = folder.create("trainer-")
+            send_with_fd(guard.fileno(), LOCK_WORD + b"\n", fd)
+            os.close(fd)
+            locks.append(lock)
+            _heard(link)
+        states = [lock_state(lock) for lock in locks]
+        assert states == [LockState.HANDED] * 2 + [LockState.HELD] * (MAX_PREVIOUS_LOCKS + 1)
+    finally:
+        guard.close()
+        with link_module.LOCK:
+            link.close()
+        link.release_lock()
