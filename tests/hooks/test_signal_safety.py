@@ -50,6 +50,13 @@ def main_call():
 def handler_call():
     {handler}
 
+def loop_running():  # a handler nested in a handler's asyncio.run: asyncio allows one loop a thread
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
 def on_signal(signum, frame):
     if depth[0] >= 2:  # a handler may interrupt a handler; deeper, a loaded host's storm would only recurse
         return
@@ -93,6 +100,7 @@ CALLS = {
     "refresh": ("abort(args, deadline=DEADLINE)", "dog.refresh()"),
     # (a handler cannot start an event loop while the one it interrupted runs: one side is synchronous)
     "abort_async in the handler": ("abort(args, deadline=DEADLINE)",
+                                   "abort(handler_args, deadline=DEADLINE) if loop_running() else "
                                    "asyncio.run(abort_async(handler_args, deadline=DEADLINE))"),
     "abort_async interrupted": ("asyncio.run(abort_async(args, deadline=DEADLINE))",
                                 "abort(handler_args, deadline=DEADLINE)"),
