@@ -683,6 +683,7 @@ class Guard:
                 self.loop.run_once(timeout)
                 self.socket.resume()
                 self.socket.keep()
+                self.socket.watch_successor()
                 if time.monotonic() >= touched_at + self.heartbeat:
                     touched_at = time.monotonic()
                     self.locks.touch()

@@ -155,7 +155,7 @@ class DeathFlushes:
             if report is None or report.ok:
                 if self._metrics is not None and report is not None:
                     self._metrics.death_to_flush.observe(time.monotonic() - retry.died)
-                channel.settle(report)
+                channel.settle(report, now=True)
                 self._done(channel)
                 if report is not None:
                     again = f" (attempt {retry.attempt})" if retry.attempt > 1 else ""

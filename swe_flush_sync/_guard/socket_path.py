@@ -36,7 +36,20 @@ from .._watchdog.guard_client import ImpostorError, connect_to_guard
 PATH_CHECK: Final = 2.0  # seconds between two checks that the socket path is still the guard's
 PAUSE: Final = 0.1  # seconds accepting pauses at EMFILE or when every peer holds a trainer
 ACCEPT_BATCH: Final = 64  # connections accepted in one turn of the loop, then the others get theirs
+LOCK_TRIES: Final = 100  # tries at the path's lock, 10 ms apart, before another guard is said to serve it
 INHERIT_TIMEOUT: Final = 2.0  # seconds a successor waits for a draining guard to pass its listening socket
+
+
+def _lock_soon(fd: int) -> None:
+    """``flock(LOCK_EX)`` on ``fd``, tried for up to ``LOCK_TRIES`` x 10 ms: a draining guard's look at
+    whether its successor lives holds a shared lock for a moment (``BlockingIOError`` after that)."""
+    for _ in range(LOCK_TRIES - 1):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            time.sleep(0.01)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
 class GuardError(Exception):
@@ -116,7 +129,7 @@ class SocketPath:
 
     def pause(self) -> None:
         """Accept nothing for ``PAUSE`` seconds (``resume`` ends it)."""
-        if self._listener is not None and self.paused_until is None:
+        if self._listener is not None and self.paused_until is None and not self.passed:
             self._loop.unwatch(self._listener.fileno())
             self.paused_until = time.monotonic() + PAUSE
 
@@ -124,7 +137,7 @@ class SocketPath:
         """Accept again once the pause is over."""
         if self.paused_until is not None and time.monotonic() >= self.paused_until:
             self.paused_until = None
-            if self._listener is not None:
+            if self._listener is not None and not self.passed:
                 self._loop.watch(self._listener.fileno(), self._on_readable)
 
     def keep(self) -> None:
@@ -133,7 +146,7 @@ class SocketPath:
         now = time.monotonic()
         if now < self._checked_at + PATH_CHECK or self.paused_until is not None:
             return
-        if self._listener is None and not self._lost:  # not listening yet, or given up
+        if (self._listener is None and not self._lost) or self.passed:  # not listening yet, given up, or passed on
             return
         self._checked_at = now
         if self._listener is not None:
@@ -171,17 +184,23 @@ class SocketPath:
     def pass_listener(self, reply_fd: int) -> None:
         """Draining: pass the listening socket over ``reply_fd`` to the successor that asked, once it
         holds the path's lock (no other process may have it), and accept no more here."""
-        if self._listener is None or not self.handed_over or not self._lock_taken_by_another():
+        if self._listener is None or self.passed or not self.handed_over or not self._lock_taken_by_another():
             return
         try:
             send_with_fd(reply_fd, LISTENER + b"\n", self._listener.fileno())
         except OSError:
             return
-        self._loop.unwatch(self._listener.fileno())
-        self._listener.close()  # the successor's copy listens on: nothing waiting in its queue is lost
-        self._listener = None
+        self._loop.unwatch(self._listener.fileno())  # its copy is kept: taken back if the successor dies
         self.passed = True
         self._say(f"passed the listening socket at {shown(self.path)} to the successor; new trainers arm with it")
+
+    def watch_successor(self) -> None:
+        """Passed on: while the successor holds the path's lock it accepts; once the lock is free (it
+        died), this draining guard accepts again on its copy, until another successor asks for it."""
+        if self.passed and self._listener is not None and not self._lock_taken_by_another():
+            self.passed = False
+            self._loop.watch(self._listener.fileno(), self._on_readable)
+            self._say(f"the successor at {shown(self.path)} is gone: this draining guard answers there again")
 
     def _lock_taken_by_another(self) -> bool:
         """Does another process hold the path's lock now (the successor, after ``hand_over``)?"""
@@ -253,7 +272,7 @@ class SocketPath:
             self._listener = None
             with contextlib.suppress(OSError):
                 info = os.lstat(self.path)
-                if (info.st_dev, info.st_ino) == self._identity:
+                if (info.st_dev, info.st_ino) == self._identity and not self.passed:  # (passed: the successor's)
                     os.unlink(self.path)
         if self._lock_fd is not None:
             os.close(self._lock_fd)
@@ -352,7 +371,7 @@ class SocketPath:
             os.close(fd)
             fd = self._replace_lock(lock_path, problem)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _lock_soon(fd)
         except BlockingIOError:
             os.close(fd)
             raise GuardError(f"a guard is already serving {shown(self.path)}") from None

@@ -85,18 +85,19 @@ class HeldLocks:
     def __init__(self) -> None:
         self.newest: Descriptor | None = None
         self.previous: list[Descriptor] = []
+        self.on_record = False  # the newest lock's guard said ``recorded``
 
     def take(self, lock: Descriptor) -> None:
         """A guard passed ``lock``: the newest now; the older ones are kept until ``recorded``."""
         if self.newest is not None:
             self.previous.append(self.newest)
-        self.newest = lock
+        self.newest, self.on_record = lock, False
         while len(self.previous) > MAX_PREVIOUS_LOCKS:
             _let_go(self.previous.pop(0), HANDED_MARK)
 
     def recorded(self) -> None:
         """The newest lock's guard wrote the record naming it: the older ones are let go, marked ``handed``."""
-        previous, self.previous = self.previous, []
+        previous, self.previous, self.on_record = self.previous, [], True
         for lock in previous:
             _let_go(lock, HANDED_MARK)
 

@@ -12,6 +12,7 @@ import dataclasses
 import errno
 import json
 import os
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -240,6 +241,8 @@ class RecordKeeper:
         self.heartbeat = heartbeat
         self.gone = False  # the trainer is gone and its flush has not succeeded yet: any recover may take it
         self.written = False  # the record was written once (a missing one was then removed or claimed)
+        self.removed = False  # removed for good (flushed, disarmed): a write that comes later writes nothing
+        self._io = threading.Lock()  # a guard writes on its ledger thread and removes a flushed one on a flush worker
         if token is not None:
             name = f"{GUARD_RECORD_PREFIX}{token}{RECORD_SUFFIX}"
         else:
@@ -253,17 +256,25 @@ class RecordKeeper:
         self._state = state
 
     def write(self) -> None:
-        """Write (or rewrite) the record with the last state's servers and ids and a fresh heartbeat."""
+        """Write (or rewrite) the record with the last state's servers and ids and a fresh heartbeat;
+        nothing once it was removed."""
         state = self._state
         deadline = (state.get("options") or {}).get("deadline")
-        dataclasses.replace(self._base, urls=tuple(state.get("urls", ())), ids=tuple(state.get("ids", ())),
-                            heartbeat=time.time(), gone=self.gone,
-                            deadline=float(deadline) if isinstance(deadline, (int, float)) else None).write(self.path)
-        self.written = True
+        record = dataclasses.replace(self._base, urls=tuple(state.get("urls", ())), ids=tuple(state.get("ids", ())),
+                                     heartbeat=time.time(), gone=self.gone,
+                                     deadline=float(deadline) if isinstance(deadline, (int, float)) else None)
+        with self._io:
+            if self.removed:
+                return
+            record.write(self.path)
+            self.written = True
 
     def remove(self) -> None:
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)
+        """Remove the record for good: a write queued before this writes nothing after it."""
+        with self._io:
+            self.removed = True
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
 
     def remove_older(self) -> None:
         """Remove this trainer's records kept by watchdogs that are gone."""

@@ -324,10 +324,15 @@ class Channel:
             self.keeper.gone = True
             self._run_ledger_io(self._write_record)
 
-    def settle(self, report: FlushReport | None) -> None:
-        """Remove the record after a flush that succeeded (or nothing to flush, or a disarm)."""
+    def settle(self, report: FlushReport | None, *, now: bool = False) -> None:
+        """Remove the record after a flush that succeeded (or nothing to flush, or a disarm); ``now``: in
+        this thread at once (a guard's flush worker: a guard killed a moment later leaves no record of a
+        death it flushed), else in turn with the record's writes."""
         if self.keeper is not None and (report is None or report.ok):
-            self._run_ledger_io(self.keeper.remove)
+            if now:
+                io_error(self.keeper.remove)
+            else:
+                self._run_ledger_io(self.keeper.remove)
 
 
 def io_error(job: Callable[[], None]) -> str | None:

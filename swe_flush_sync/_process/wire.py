@@ -19,8 +19,10 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 # 1 (0.5.0) had no version; 2 adds "v", the trainer's token, the guard's version in "held",
-# "refused", and strings that hold no raw backslash-quote (see encode_state).
-PROTOCOL: Final = 2
+# "refused", and strings that hold no raw backslash-quote (see encode_state); 3 adds "recorded" (a
+# guard of 3 says it once the record naming the lock it passed is written) and "listener".
+PROTOCOL: Final = 3
+OLDEST_GUARD: Final = 2  # the oldest protocol a trainer arms with (a guard of 2 never says "recorded")
 MAX_IDS: Final = 100_000  # ids in one state
 MAX_SOCKET_PATH: Final = 107  # bytes in a guard's socket path (sockaddr_un's sun_path, less its NUL)
 OFFLOAD_BYTES: Final = 64 << 10  # a guard parses a longer line on a worker, not on its loop

@@ -266,7 +266,8 @@ class Watchdog:
                              and self._link.refused is None and time.monotonic() < started + patience)
                 if not again:
                     break
-            self._end.opened(held, process, payload, time.monotonic() - started)
+            self._end.opened(held, process, payload, time.monotonic() - started,
+                             max(started + patience - time.monotonic(), 0.0))
         except BaseException:
             self._end.release()
             raise

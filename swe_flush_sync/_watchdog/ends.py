@@ -23,7 +23,7 @@ from .._core.text import shown
 from .._core.threads import start_daemon_thread
 from .._process import watchdog_process
 from .._process.proc import process_stopped
-from .._process.wire import PROTOCOL
+from .._process.wire import OLDEST_GUARD, PROTOCOL
 from . import link as link_module
 from .guard_client import ImpostorError, connect_to_guard
 from .link import Fd, Link
@@ -59,9 +59,10 @@ class End:
         """Open the link's ends (trying up to ``patience`` s); the process started, if any."""
         raise NotImplementedError
 
-    def opened(self, held: bool, process: subprocess.Popen[bytes] | None, payload: bytes, waited: float) -> None:
-        """After the first state was handed over (``waited`` s after arming began): unless retired
-        meanwhile, raise if it was not ``held``."""
+    def opened(self, held: bool, process: subprocess.Popen[bytes] | None, payload: bytes, waited: float,
+               left: float) -> None:
+        """After the first state was handed over (``waited`` s after arming began, ``left`` s of its
+        patience left): unless retired meanwhile, raise if it was not ``held``."""
 
     def before_refresh(self, payload: bytes, patience: float) -> None:
         """Before ``payload`` is handed over by a refresh that waits at most ``patience`` seconds."""
@@ -129,7 +130,8 @@ class ProcessEnd(End):
             self.link.take_ends(control, ready)
         return process
 
-    def opened(self, held: bool, process: subprocess.Popen[bytes] | None, payload: bytes, waited: float) -> None:
+    def opened(self, held: bool, process: subprocess.Popen[bytes] | None, payload: bytes, waited: float,
+               left: float) -> None:
         assert process is not None
         try:
             process.wait(ARM_TIMEOUT)  # the first process exits once it has forked: no zombie is left
@@ -209,7 +211,8 @@ class GuardEnd(End):
                                  f"{time.monotonic() - started:.1f} s)")
             time.sleep(0.05)
 
-    def opened(self, held: bool, process: subprocess.Popen[bytes] | None, payload: bytes, waited: float) -> None:
+    def opened(self, held: bool, process: subprocess.Popen[bytes] | None, payload: bytes, waited: float,
+               left: float) -> None:
         if not held:
             if self.link.retired:
                 return
@@ -220,6 +223,9 @@ class GuardEnd(End):
             raise FlushError(f"the guard at {shown(self.path)} did not take the state in {waited:.1f} s"
                              + (" (it went away before it held it, and no guard took it since)" if lost else ""))
         self._check_protocol()
+        link = self.link
+        if link.protocol >= 3 and link.locks.newest is not None:  # armed once a record names the lock
+            link.wait(lambda: link.locks.on_record, left)  # (see _process.ownership)
         if self._following is None:  # the follower thread (once)
             self._following = threading.Event()
             start_daemon_thread(self._follow, args=(self._following,), name="swe-flush-guard-follower")
@@ -266,7 +272,7 @@ class GuardEnd(End):
     def _check_protocol(self) -> None:
         """A guard older than this trainer is disarmed at once and refused with a ``FlushError``."""
         link = self.link
-        if link.protocol >= PROTOCOL:
+        if link.protocol >= OLDEST_GUARD:
             return
         with link_module.LOCK:
             link.queue_disarm()
@@ -276,7 +282,8 @@ class GuardEnd(End):
             link.close()
         self.release()
         raise FlushError(f"the guard at {shown(self.path)} speaks protocol {link.protocol}, older than this "
-                         f"trainer's {PROTOCOL}: upgrade it to this swe_flush_sync version or later")
+                         f"trainer's oldest, {OLDEST_GUARD} (it speaks {PROTOCOL}): upgrade it to this "
+                         "swe_flush_sync version or later")
 
     def _follow(self, stop: threading.Event) -> None:
         """The follower thread: notices a lost guard and reconnects; it ends only at a disarm."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import shutil
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from swe_flush_sync._guard.daemon import guard_status
 from swe_flush_sync._guard.socket_path import SocketPath
 from swe_flush_sync._process.watch_loop import WatchLoop
 from swe_flush_sync._process.wire import HELD, PROTOCOL
@@ -293,3 +295,80 @@ def test_arming_tries_again_when_the_guard_goes_away_before_it_holds_the_state(s
         for conn in kept:
             conn.close()
         listener.close()
+
+
+def test_a_successor_killed_mid_hand_over_leaves_the_draining_guard_answering(stub: AgentServerStub,
+                                                                               short_dir: Path) -> None:
+    """The successor took the listening socket and was SIGKILLed: the draining guard kept its copy and
+    accepts again, and the next successor is passed it in turn (1.2.0 left a dead socket at the path)."""
+    path = str(short_dir / "guard.sock")
+    env = {"AGENT_SERVER_URL": stub.url, "HARBOR_ADMIN_SECRET": SECRET}
+    first = _guard(path, "--drain", "30", **env)
+    trainer = _trainer(stub, path, "kept", first.pid)
+    successors = []
+    try:
+        socket_file = os.lstat(path).st_ino
+        first.send_signal(signal.SIGTERM)
+        with _probe(path) as failures:
+            successors.append(_guard(path, **env))
+            successors[0].kill()
+            successors[0].wait(10)
+            assert wait_until(lambda: guard_status(path) is not None and guard_status(path).pid == first.pid, 10.0)
+            successors.append(_guard(path, **env))
+            assert wait_until(lambda: guard_status(path) is not None and guard_status(path).pid == successors[1].pid,
+                              10.0)
+        assert failures == [] and os.lstat(path).st_ino == socket_file
+        trainer.proc.kill()
+        assert wait_until(lambda: stub.flushed_ids() == ["kept"], 10.0), stub.flushed_ids()  # by the first guard
+    finally:
+        trainer.proc.kill()
+        _end(first, *successors)
+
+
+def test_a_successor_waits_out_a_look_at_the_paths_lock(short_dir: Path) -> None:
+    """A draining guard looks at whether its successor lives by taking a shared lock on ``PATH.lock`` for a
+    moment; a successor starting in that moment exited 2 ("a guard is already serving", found by the
+    model test). It tries again for a moment first."""
+    path = str(short_dir / "guard.sock")
+    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        guard = spawn([PYTHON, "-m", "swe_flush_sync", "guard", "--socket", path], stdout=subprocess.PIPE,
+                      stderr=subprocess.PIPE, env=subprocess_env(), start_new_session=True)
+        assert wait_until(lambda: guard.poll() is not None or _tries_the_lock(guard.pid), 20.0)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        assert read_until(guard, lambda line: line.startswith("guarding"), []) is not None, guard.communicate()
+    finally:
+        os.close(fd)
+    _end(guard)
+
+
+def _tries_the_lock(pid: int) -> bool:
+    """Has the process opened ``*.lock`` (it is at its lock)?"""
+    try:
+        return any(os.readlink(f"/proc/{pid}/fd/{fd}").endswith(".sock.lock") for fd in os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace (apt-get install strace)")
+def test_a_trainer_is_on_record_when_watchdog_returns(stub: AgentServerStub, short_dir: Path) -> None:
+    """1.2.0 returned from watchdog() at the guard's ``held``, before its record was written: a guard
+    SIGKILLed then, and a trainer stopped before it re-armed, left a death nobody knew (found by the model
+    test). Arming now waits for ``recorded`` (each fsync of this guard takes 0.5 s)."""
+    path, ledger = str(short_dir / "guard.sock"), short_dir / "ledger"
+    traced = spawn(["strace", "-f", "--seccomp-bpf", "-qq", "-o", "/dev/null", "-e", "trace=fsync", "-e",
+                    "inject=fsync:delay_enter=500000", PYTHON, "-m", "swe_flush_sync", "guard", "--socket", path,
+                    "--ledger", str(ledger)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                   env=subprocess_env(AGENT_SERVER_URL=stub.url, HARBOR_ADMIN_SECRET=SECRET), start_new_session=True)
+    line = read_until(traced, lambda text: text.startswith("guarding"), [])
+    assert line is not None
+    guard_pid = int(line.rsplit(" ", 1)[1].rstrip(")"))
+    trainer = _trainer(stub, path, "recorded")
+    try:
+        assert [json.loads(record.read_text())["ids"] for record in records(ledger)] == [["recorded"]]
+    finally:
+        trainer.proc.kill()
+        if not gone(guard_pid):
+            os.kill(guard_pid, signal.SIGKILL)
+        _end(traced)
