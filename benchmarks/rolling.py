@@ -64,16 +64,18 @@ class _Ended:
     """What the harness knows of each trainer: when it ended and how (killed or disarmed)."""
 
     killed: dict[str, float] = field(default_factory=dict)  # id -> the moment before its SIGKILL
+    pids: dict[str, int] = field(default_factory=dict)  # id -> its trainer's pid
     disarmed: set[str] = field(default_factory=set)
     failed: list[str] = field(default_factory=list)  # arming errors
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 def _guard(path: str, ledger: str, env: dict[str, str]) -> tuple[subprocess.Popen[str], float]:
-    """A guard started and guarding; when it said so."""
-    proc = subprocess.Popen([sys.executable, "-m", "swe_flush_sync", "guard", "--socket", path, "--ledger", ledger,
-                             "--drain", "1"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
-                            start_new_session=True)
+    """A guard started and guarding (its stderr in ``PATH.N.log``); when it said so."""
+    with open(f"{path}.{time.monotonic_ns()}.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "swe_flush_sync", "guard", "--socket", path, "--ledger",
+                                 ledger, "--drain", "1"], stdout=subprocess.PIPE, stderr=log, text=True, env=env,
+                                start_new_session=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line.startswith("guarding"):
@@ -101,7 +103,7 @@ def _slot(number: int, path: str, env: dict[str, str], stop: threading.Event, en
         last = proc.stdout.readline().strip()
         if last == "LIVING":
             with ended.lock:
-                ended.killed[name] = time.monotonic()
+                ended.killed[name], ended.pids[name] = time.monotonic(), proc.pid
             proc.kill()
         elif last == "DISARMED":
             with ended.lock:
@@ -172,6 +174,17 @@ def soak(form: str, restarts: int, trainers: int) -> dict[str, float]:
             guard.wait()
         requests = [(r.instance_id, r.at) for r in stub.requests if r.instance_id]
     counts: dict[str, int] = {}
+    for instance_id, _ in requests:
+        counts[instance_id] = counts.get(instance_id, 0) + 1
+    for twice in sorted(i for i in ended.killed if counts.get(i, 0) > 1):  # what the guards said of it
+        pid = ended.pids[twice]
+        print(f"{form}: {twice} (pid {pid}) flushed at", [round(at - ended.killed[twice], 3) for i, at in requests
+                                                          if i == twice], "s after its SIGKILL", file=sys.stderr)
+        for log in sorted(Path(folder).glob("*.log")):
+            for line in log.read_text().splitlines():
+                if f"pid {pid} " in line or "recovered" in line:
+                    print(f"  {log.name}: {line}", file=sys.stderr)
+    counts = {}
     live = disarmed = 0
     for instance_id, at in requests:
         counts[instance_id] = counts.get(instance_id, 0) + 1

@@ -66,7 +66,10 @@ HELD_COST: Final = 2  # what a held state costs in memory, in bytes of its line:
 STATUS_TIMEOUT: Final = 2.0  # seconds ``--status`` waits for an answer
 FD_RESERVE: Final = 256  # descriptors never given to peers: flushes, the ledger, stderr
 SAY_EVERY: Final = 60.0  # seconds between two lines of the same kind (retries, drops, refusals)
-CLOSE_DRAIN: Final = 5.0  # seconds a closing guard waits for its record writes before its own lock goes
+CLOSE_DRAIN: Final = 5.0  # seconds a closing guard waits for its record writes before its own lock goes,
+# and, at the end of its drain, for the deaths' flushes that run (a successor would flush them again)
+HANDOVER_WAIT: Final = 1.0  # seconds a draining guard that holds nothing stays: a successor still starting, or
+# one that dies a moment after it took the listening socket, finds it answering
 MAX_QUEUED_LINES: Final = 1000  # stderr lines waiting for a stalled stderr; later ones are dropped
 # The options a trainer hands over: FlushOptions' fields but the bearer (sent as per-id tokens).
 _OPTION_KEYS: Final = frozenset(RecoverOptionKwargs.__optional_keys__) - {"admin_secret", "bearer"}
@@ -449,6 +452,7 @@ class Guard:
         self._records = _RecordWriter(self.say) if ledger is not None else None
         self._connected: collections.Counter[str] = collections.Counter()  # tokens of the trainers held now
         self._handed_over: set[Channel] = set()  # closed by this guard at the end of its drain: not dead
+        self._successor: Channel | None = None  # the connection of the successor this guard's listener went to
         self.budget = _HeldBudget(max_held)
         self._lines = _Lines(self.say)
         self.locks = _GuardLocks(path, self.say, self._lines.say, ledger is not None)
@@ -551,8 +555,8 @@ class Guard:
     def _pass_listener(self, channel: Channel) -> None:
         """A successor asks for the listening socket: passed once this guard is draining and the
         asker holds the path's lock (see ``SocketPath.pass_listener``)."""
-        if self._stopping_since is not None:
-            self.socket.pass_listener(channel.reply_fd)
+        if self._stopping_since is not None and self.socket.pass_listener(channel.reply_fd):
+            self._successor = channel
 
     def _settled(self, channel: Channel) -> None:
         """A trainer settled (disarmed, flushed, dropped): its budget freed, its lock file removed."""
@@ -604,6 +608,9 @@ class Guard:
     def _ended(self, channel: Channel) -> None:
         with contextlib.suppress(OSError):
             os.close(channel.read_fd)
+        if channel is self._successor:  # the successor is gone: this draining guard answers again
+            self._successor = None
+            self.socket.successor_gone()
         handed_over = channel in self._handed_over  # alive (its lock is held): its record stays for the successor
         death = not handed_over and channel.error is None and not channel.disarmed and channel.state is not None
         if death:
@@ -673,22 +680,29 @@ class Guard:
                 timeout = PATH_CHECK if self.socket.paused_until is None else PAUSE
                 if self._stopping_since is not None:
                     held = [channel for channel in self.loop.channels if channel.state is not None]
-                    if not held and not self.deaths.count():
+                    stayed = time.monotonic() - self._stopping_since >= min(HANDOVER_WAIT, self.drain)
+                    if not held and not self.deaths.count() and stayed:
                         return 0
                     left = self._stopping_since + self.drain - time.monotonic()
                     if left <= 0:
                         self._hand_over(held)
+                        self._wait_for_running_flushes()
                         return 0
                     timeout = min(left, 0.1)  # also notice flushes that end
                 self.loop.run_once(timeout)
                 self.socket.resume()
                 self.socket.keep()
-                self.socket.watch_successor()
                 if time.monotonic() >= touched_at + self.heartbeat:
                     touched_at = time.monotonic()
                     self.locks.touch()
         finally:
             self.close()
+
+    def _wait_for_running_flushes(self) -> None:
+        """Up to ``CLOSE_DRAIN`` seconds, until no death's flush runs here (its record is then removed)."""
+        give_up_at = time.monotonic() + CLOSE_DRAIN
+        while self.deaths.running() and time.monotonic() < give_up_at:
+            self.loop.run_once(0.05)
 
     def _hand_over(self, held: list[Channel]) -> None:
         """The drain is over: close the held trainers' connections without flushing them. Their locks
@@ -696,6 +710,8 @@ class Guard:
         locked = [channel for channel in held if channel.lock is not None]
         for channel in held:
             self._handed_over.add(channel)
+            if channel.keeper is not None:  # the record is the successor's now: no write of ours after this
+                channel.keeper.retired = True
             self.loop.end(channel)
         pids = ", ".join(channel.who for channel in held) or "none"
         lockless = len(held) - len(locked)

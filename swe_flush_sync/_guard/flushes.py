@@ -91,6 +91,11 @@ class DeathFlushes:
         """Dead trainers whose flush runs, waits for a worker or waits to be retried."""
         return len(self._flushing)
 
+    def running(self) -> int:
+        """Dead trainers whose flush runs or waits for a worker (not those waiting to be retried: their
+        records say they are gone, and a successor takes them)."""
+        return len(self._flushing) - len(self.retrying)
+
     def take(self, channel: Channel) -> None:
         """Make the flush of ``channel``'s trainer this guard's, before its connection stops counting:
         the recovery pass never finds its record neither connected nor owned. ``gone`` then flushes it."""
@@ -121,6 +126,8 @@ class DeathFlushes:
         state = self._lock_folder.state(lock) if lock is not None else LockState.UNKNOWN
         verdict = judge(state, channel.trainer_alive())
         if verdict in (Verdict.HANDED, Verdict.DISARMED):  # it let the lock go for a newer guard's, or disarmed
+            if channel.keeper is not None:  # the record is the newer guard's (or gone): never written by us again
+                channel.keeper.retired = True
             self._done(channel)
             return
         if verdict is Verdict.ALIVE or (state is LockState.FREE and verdict is Verdict.UNKNOWN):
@@ -155,11 +162,11 @@ class DeathFlushes:
             if report is None or report.ok:
                 if self._metrics is not None and report is not None:
                     self._metrics.death_to_flush.observe(time.monotonic() - retry.died)
-                channel.settle(report, now=True)
-                self._done(channel)
-                if report is not None:
+                if report is not None:  # said before its record goes: a guard killed after that leaves the line
                     again = f" (attempt {retry.attempt})" if retry.attempt > 1 else ""
                     self._say(f"{who} gone; {report.summary()}{again}")
+                channel.settle(report, now=True)
+                self._done(channel)
                 return
             failed = [result for result in report.results if not result.ok]
             refused = all(result.status_code in (401, 403) for result in failed)

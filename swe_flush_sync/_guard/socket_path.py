@@ -84,6 +84,7 @@ class SocketPath:
         self.paused_until: float | None = None
         self._checked_at = time.monotonic()
         self._stale_owner = ""  # who owned a stale socket found at the path (said if it cannot be replaced)
+        self._predecessor: socket.socket | None = None  # the connection to the guard that passed the listener
 
     def check(self) -> None:
         """Check the path's length and its folder (made 0700 if missing).
@@ -181,23 +182,24 @@ class SocketPath:
             os.close(self._lock_fd)
             self._lock_fd = None
 
-    def pass_listener(self, reply_fd: int) -> None:
+    def pass_listener(self, reply_fd: int) -> bool:
         """Draining: pass the listening socket over ``reply_fd`` to the successor that asked, once it
-        holds the path's lock (no other process may have it), and accept no more here."""
+        holds the path's lock (no other process may have it), and accept no more here; True if passed."""
         if self._listener is None or self.passed or not self.handed_over or not self._lock_taken_by_another():
-            return
+            return False
         try:
             send_with_fd(reply_fd, LISTENER + b"\n", self._listener.fileno())
         except OSError:
-            return
+            return False
         self._loop.unwatch(self._listener.fileno())  # its copy is kept: taken back if the successor dies
         self.passed = True
         self._say(f"passed the listening socket at {shown(self.path)} to the successor; new trainers arm with it")
+        return True
 
-    def watch_successor(self) -> None:
-        """Passed on: while the successor holds the path's lock it accepts; once the lock is free (it
-        died), this draining guard accepts again on its copy, until another successor asks for it."""
-        if self.passed and self._listener is not None and not self._lock_taken_by_another():
+    def successor_gone(self) -> None:
+        """The successor's connection ended (it died, or exited): this draining guard accepts again on
+        its copy, until another successor asks for it."""
+        if self.passed and self._listener is not None:
             self.passed = False
             self._loop.watch(self._listener.fileno(), self._on_readable)
             self._say(f"the successor at {shown(self.path)} is gone: this draining guard answers there again")
@@ -227,7 +229,7 @@ class SocketPath:
             sock = connect_to_guard(self.path, INHERIT_TIMEOUT)
         except (OSError, ImpostorError):
             return False  # nobody answers (a stale socket, or none), or another uid's: bound afresh
-        with sock:
+        try:
             try:
                 sock.sendall(b'{"listener": true}\n')
                 data, fds = b"", list[int]()
@@ -241,25 +243,28 @@ class SocketPath:
                     data += chunk
             except OSError:
                 return False
+        finally:
+            if not fds:
+                sock.close()
         listener = None
         for fd in fds:
             if listener is None and data.startswith(LISTENER + b"\n"):
                 listener = socket.socket(fileno=fd)
             else:
                 os.close(fd)
-        if listener is None:
-            return False
-        if (listener.family != socket.AF_UNIX or listener.type != socket.SOCK_STREAM
-                or not listener.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)):
-            listener.close()
-            return False
         try:
+            if listener is None or listener.family != socket.AF_UNIX or listener.type != socket.SOCK_STREAM \
+                    or not listener.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                raise OSError("not a listening socket")
             info = os.lstat(self.path)
         except OSError:
-            listener.close()
+            if listener is not None:
+                listener.close()
+            sock.close()
             return False
         listener.setblocking(False)
         self._listener, self._identity, self.inherited = listener, (info.st_dev, info.st_ino), True
+        self._predecessor = sock  # held open for life: its end tells the predecessor this guard is gone
         self._loop.watch(listener.fileno(), self._on_readable)
         return True
 
@@ -272,8 +277,12 @@ class SocketPath:
             self._listener = None
             with contextlib.suppress(OSError):
                 info = os.lstat(self.path)
-                if (info.st_dev, info.st_ino) == self._identity and not self.passed:  # (passed: the successor's)
+                if (info.st_dev, info.st_ino) == self._identity and not self.passed \
+                        and not (self.handed_over and self._lock_taken_by_another()):  # (else: a successor's)
                     os.unlink(self.path)
+        if self._predecessor is not None:
+            self._predecessor.close()
+            self._predecessor = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None

@@ -14,7 +14,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -66,8 +66,9 @@ class Record:
     deadline: float | None = None  # seconds its keeper's flush takes at most (the trainer's ``deadline``)
     set_aside: str | None = None
 
-    def write(self, path: str) -> None:
-        """Write it to ``path`` atomically: a temporary file beside it, fsync, rename, fsync the folder."""
+    def write(self, path: str, still_wanted: Callable[[], bool] = lambda: True) -> None:
+        """Write it to ``path`` atomically: a temporary file beside it, fsync, rename, fsync the folder;
+        not renamed (the temporary file removed) when ``still_wanted()`` says no after the fsync."""
         fields = {"version": RECORD_VERSION, **dataclasses.asdict(self), **dataclasses.asdict(self.place)}
         del fields["place"], fields["set_aside"]
         folder = os.path.dirname(path) or "."
@@ -78,6 +79,9 @@ class Record:
             os.fsync(fd)
         finally:
             os.close(fd)
+        if not still_wanted():  # (an fsync on a slow volume takes long: its keeper may have let it go meanwhile)
+            os.unlink(temporary)
+            return
         os.replace(temporary, path)
         with contextlib.suppress(OSError):
             dir_fd = os.open(folder, os.O_RDONLY)
@@ -242,6 +246,7 @@ class RecordKeeper:
         self.gone = False  # the trainer is gone and its flush has not succeeded yet: any recover may take it
         self.written = False  # the record was written once (a missing one was then removed or claimed)
         self.removed = False  # removed for good (flushed, disarmed): a write that comes later writes nothing
+        self.retired = False  # its keeper owns the trainer no more (handed over): later writes write nothing
         self._io = threading.Lock()  # a guard writes on its ledger thread and removes a flushed one on a flush worker
         if token is not None:
             name = f"{GUARD_RECORD_PREFIX}{token}{RECORD_SUFFIX}"
@@ -264,9 +269,9 @@ class RecordKeeper:
                                      heartbeat=time.time(), gone=self.gone,
                                      deadline=float(deadline) if isinstance(deadline, (int, float)) else None)
         with self._io:
-            if self.removed:
+            if self.removed or self.retired:
                 return
-            record.write(self.path)
+            record.write(self.path, lambda: not self.retired)
             self.written = True
 
     def remove(self) -> None:

@@ -221,9 +221,9 @@ class Channel:
         if message.get("disarm") is True:
             self.disarmed = True
             return False
-        if message.get("listener") is True and self._listener is not None:  # a successor guard
-            self._listener(self)
-            return False
+        if message.get("listener") is True and self._listener is not None:  # a successor guard: its
+            self._listener(self)  # connection stays open for its life (its end is the successor's death)
+            return True
         if message.get("status") is True:  # a probe (swe-flush guard --status): how many trainers are held
             self.tell(STATUS + b" %d " % os.getpid() + (self._status() if self._status else b"1"))
             return True

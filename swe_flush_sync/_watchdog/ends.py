@@ -34,6 +34,7 @@ SEND_TIMEOUT: Final = 0.5  # seconds a hand-over may wait for room in the pipe a
 REARM_INTERVAL: Final = 60.0  # seconds between two attempts of abort() to re-arm a watchdog that failed to start
 RECONNECT_INTERVAL: Final = 0.1  # seconds between two attempts to reach a guard that went away
 FOLLOW_INTERVAL: Final = 0.5  # seconds the guard's follower thread waits for its word before it looks again
+RECORD_WAIT: Final = 0.25  # seconds arming waits for the guard's record of it (never for a slow disk longer)
 REFUSED_RETRY: Final = 5.0  # seconds before the follower offers a refused state again (a draining guard)
 _HELPER: Final = watchdog_process.__file__
 
@@ -225,7 +226,7 @@ class GuardEnd(End):
         self._check_protocol()
         link = self.link
         if link.protocol >= 3 and link.locks.newest is not None:  # armed once a record names the lock
-            link.wait(lambda: link.locks.on_record, left)  # (see _process.ownership)
+            link.wait(lambda: link.locks.on_record, min(left, RECORD_WAIT))  # (see _process.ownership)
         if self._following is None:  # the follower thread (once)
             self._following = threading.Event()
             start_daemon_thread(self._follow, args=(self._following,), name="swe-flush-guard-follower")

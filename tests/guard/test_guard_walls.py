@@ -529,7 +529,7 @@ def test_a_slow_ledger_delays_no_other_flush(stub: AgentServerStub, short_dir: P
             print("ARMED", round(time.monotonic() - started, 2), flush=True)
             time.sleep(60)
         """)
-        assert float(other.read("ARMED")[1]) < 0.5  # its hand-over waits for no disk
+        assert float(other.read("ARMED")[1]) < 1.0  # its hand-over waits for no disk (for its record 0.25 s at most)
         other.proc.kill()
         died = other.death()
         assert wait_until(lambda: "other-a" in stub.flushed_ids(), 5.0)
