@@ -159,6 +159,8 @@ def test_a_lock_file_another_uid_planted_never_leaves_the_node_without_a_guard(s
     guard = _guard(path)
     try:
         assert os.stat(path + ".lock").st_uid == 0
+        guard.send_signal(signal.SIGTERM)  # a stop writes its queued lines (a SIGKILL may lose the last one)
+        assert guard.wait(20) == 0
     finally:
         [said] = _end(guard)
     assert "replaced by this guard's own" in said
