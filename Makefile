@@ -31,8 +31,8 @@ $(VENV)/.installed-lint: $(VENV)/.installed
 	touch $@
 
 lint: $(VENV)/.installed-lint
-	$(BIN)/ruff check swe_flush_sync tests benchmarks
-	$(BIN)/mypy --strict swe_flush_sync
+	$(BIN)/ruff check swe_flush_sync swe_flush_sync_pytest.py tests benchmarks
+	$(BIN)/mypy --strict swe_flush_sync swe_flush_sync_pytest.py
 	test "$$($(BIN)/mypy --strict tests/typecheck/misspelt_options.py | grep -c 'Unexpected keyword argument')" = 4
 
 # Ray, for the one test that runs a watchdog in a Ray actor (skipped without it).

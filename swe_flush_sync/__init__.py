@@ -12,50 +12,22 @@ See ``Flusher`` for a reusable flusher, ``flush`` for a one-shot call, and
 ``recover`` for the ids of trainers lost with their pod or node.
 """
 
-import importlib
 import logging
-from typing import TYPE_CHECKING, Any
 
+from ._core.auth import BearerProvider, ScopedBearer, StaticBearer
+from ._core.errors import ConfigError, FlushError
+from ._core.flusher import Flusher, flush
+from ._core.options import DEFAULT_DEADLINE, FlushOptions
+from ._core.report import FlushFailed, FlushReport, FlushResult
+from ._core.resolve import resolve_bearer, resolve_instance_ids, resolve_server_urls
+from ._hooks import ExitHook, SignalHook, abort, abort_async, flush_at_exit, flush_on_signal
+from ._recover import recover
 from ._version import __version__ as __version__
+from ._watchdog.api import Watchdog, watchdog
 
-if TYPE_CHECKING:  # imported on first use (PEP 562): a pytest run that only loads the plugin pays nothing
-    from ._core.auth import BearerProvider, ScopedBearer, StaticBearer
-    from ._core.errors import ConfigError, FlushError
-    from ._core.flusher import Flusher, flush
-    from ._core.options import DEFAULT_DEADLINE, FlushOptions
-    from ._core.report import FlushFailed, FlushReport, FlushResult
-    from ._core.resolve import resolve_bearer, resolve_instance_ids, resolve_server_urls
-    from ._hooks import ExitHook, SignalHook, abort, abort_async, flush_at_exit, flush_on_signal
-    from ._recover import recover
-    from ._watchdog.api import Watchdog, watchdog
-
-_HOMES = {
-    "._core.auth": ("BearerProvider", "ScopedBearer", "StaticBearer"),
-    "._core.errors": ("ConfigError", "FlushError"),
-    "._core.flusher": ("Flusher", "flush"),
-    "._recover": ("recover",),
-    "._hooks": ("ExitHook", "SignalHook", "abort", "abort_async", "flush_at_exit", "flush_on_signal"),
-    "._core.options": ("DEFAULT_DEADLINE", "FlushOptions"),
-    "._core.report": ("FlushFailed", "FlushReport", "FlushResult"),
-    "._core.resolve": ("resolve_bearer", "resolve_instance_ids", "resolve_server_urls"),
-    "._watchdog.api": ("Watchdog", "watchdog"),
-}
-_HOME = {name: module for module, names in _HOMES.items() for name in names}
-
-
-def __getattr__(name: str) -> Any:
-    """A public name, imported from its module the first time it is asked for."""
-    module = _HOME.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_HOME})
-
+# Every public name is bound before ``import swe_flush_sync`` returns: a signal handler that calls
+# ``swe_flush_sync.abort`` never finds a module half-imported (``docs/architecture.md``, "Signal
+# handlers"). The pytest plugin is the top-level ``swe_flush_sync_pytest``, which imports none of this.
 
 __all__ = [
     "DEFAULT_DEADLINE",

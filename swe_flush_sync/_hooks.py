@@ -23,7 +23,6 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Final
 
@@ -31,6 +30,7 @@ from ._core.errors import ConfigError, FlushError
 from ._core.flusher import Flusher, abandon_all_in_flight
 from ._core.logs import WORKER_THREAD_PREFIX, log_report, urllib3_silenced
 from ._core.options import DEFAULT_DEADLINE, FlushOptions
+from ._core.outcome import Outcome
 from ._core.report import FlushReport
 from ._core.resolve import URL_ENV_VARS, resolve_bearer, resolve_instance_ids, resolve_server_list
 from ._core.threads import Workers, start_daemon_thread
@@ -144,10 +144,10 @@ class _Standby(Workers):
         another thread (a stalled stderr pipe), must not keep the process from dying.
         """
         if self.threads:
-            future: Future[None] = Future()
-            self.run(future, action)
-            with contextlib.suppress(FutureTimeout):
-                future.result(timeout)
+            outcome: Outcome[None] = Outcome()
+            self.run(outcome, action)
+            with contextlib.suppress(TimeoutError):
+                outcome.result(timeout)
 
     def forget_after_fork(self) -> None:
         """In a forked child the parent's threads are gone, and so are its hooks' holds: the hooks a

@@ -1,54 +1,9 @@
-"""A pytest plugin (loaded through the ``pytest11`` entry point): the ``agent_server`` fixture, and
-``agent_server_tls`` for the same over https.
+"""The pytest plugin's fixtures under the package (for ``pytest_plugins = ["swe_flush_sync.pytest_plugin"]``).
 
-Examples:
-    ```python
-    def test_my_abort(agent_server):
-        agent_server.add_trials("inst-1", 2)
-        agent_server.fault("inst-2", statuses=[503])
-        report = flush(agent_server.url, ["inst-1", "inst-2"])
-        assert report.ok and sorted(agent_server.flushed_ids()) == ["inst-1", "inst-2"]
-    ```
+pytest loads the plugin itself from the top-level ``swe_flush_sync_pytest`` (the ``pytest11`` entry
+point ``swe_flush_sync``), which imports nothing of the package until a test asks for a fixture.
 """
 
-from __future__ import annotations
+from swe_flush_sync_pytest import agent_server, agent_server_tls
 
-import ssl
-from collections.abc import Iterator
-
-import pytest
-
-from ._stub import AgentServerStub
-
-
-@pytest.fixture
-def agent_server() -> Iterator[AgentServerStub]:
-    """A started stub agent server on 127.0.0.1 (no secret required), stopped after the test.
-
-    Script faults with ``fault(id, ...)``, start runs with ``add_trials``, read ``requests`` /
-    ``flushed_ids()``; set ``secret`` or ``scoped_secret`` to require a bearer, ``max_concurrent``
-    to make runs beyond that many wait for a slot, as the bridge does.
-    """
-    with AgentServerStub() as server:
-        yield server
-
-
-@pytest.fixture
-def agent_server_tls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentServerStub]:
-    """The same stub serving https, with a certificate for 127.0.0.1 made by ``trustme`` (skipped
-    where trustme is not installed). Trust it with ``ca_bundle=agent_server_tls.ca_bundle``.
-
-    Examples:
-        ```python
-        def test_my_abort_over_tls(agent_server_tls):
-            report = flush(agent_server_tls.url, ["inst-1"], ca_bundle=agent_server_tls.ca_bundle)
-        ```
-    """
-    trustme = pytest.importorskip("trustme")
-    authority = trustme.CA()
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    authority.issue_cert("127.0.0.1", "localhost").configure_cert(context)
-    ca_file = tmp_path_factory.mktemp("agent-server-ca") / "ca.pem"
-    authority.cert_pem.write_to_path(str(ca_file))
-    with AgentServerStub(tls=context, ca_bundle=str(ca_file)) as server:
-        yield server
+__all__ = ["agent_server", "agent_server_tls"]

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import threading
 import time
 
 from urllib3.connection import HTTPConnection
+
+from .outcome import Gate
 
 
 class CancelToken:
@@ -21,11 +22,12 @@ class CancelToken:
     def __init__(self, deadline_at: float, linger_until: float) -> None:
         self.deadline_at = deadline_at
         self.linger_until = linger_until
-        self.cancelled = threading.Event()
+        self.cancelled = Gate()  # lock-free: a signal handler may give up a request the main thread is giving up
         self.reason = "given up"
         self.attempts = 0  # counted in one place: set to 1 on send, +1 per retry (``_DeadlineRetry``)
         self.stop_reason: str | None = None  # why retrying stopped early
         self.next_wait = 0.0
+        self.handed = False  # handed to a worker: only then may another call join it (see ``Flusher``)
         # Connections (their socket changes on reconnect) and sockets in a TLS handshake (no connection holds
         # them yet: the wrap detaches the socket the connection had).
         self._holders: list[HTTPConnection | socket.socket] = []

@@ -14,20 +14,22 @@ Signal safety: a signal handler may flush while the thread it interrupted is ins
 same Flusher. No lock lies on the way to the workers (see ``threads``): the in-flight map is kept
 with single ``dict`` operations (``setdefault`` claims a pair, ``pop`` forgets one), each atomic, so
 an interrupted call never leaves it half changed; a call waits for answers on its own
-``SimpleQueue``. What this gives up: two calls that find a pair's old request finished at the very
-same moment may both send it (a ``pop`` and a ``setdefault`` apart).
+``SimpleQueue``. A request is joined only once it is handed to a worker: a handler never waits on
+one that the call it interrupted claimed and has yet to hand over. What this gives up: two calls
+that find a pair's old request finished at the very same moment may both send it (a ``pop`` and a
+``setdefault`` apart), and so may a handler and the call it interrupted.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import os
 import queue
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
@@ -36,6 +38,7 @@ from .cancel import CancelToken
 from .errors import ConfigError, FlushError
 from .logs import WORKER_THREAD_PREFIX, install_urllib3_filter, log_report
 from .options import FlushOptions, check_seconds
+from .outcome import Outcome
 from .report import FlushReport, FlushResult, collector_paused, never_sent
 from .resolve import normalize_instance_ids, normalize_server_urls, resolve_bearer
 from .threads import Inbox, Runner, Workers
@@ -70,7 +73,7 @@ MAX_ROUNDS: Final = 64  # passes per pair at most with until_idle (the deadline 
 class _Pending(NamedTuple):
     """A request some call sent for a pair: its future, and the sender's cancel token."""
 
-    future: Future[FlushResult]
+    future: Outcome[FlushResult]
     token: CancelToken
 
 
@@ -156,7 +159,8 @@ class Flusher:
         self._transport: Transport | None = None
         self._workers = Workers(WORKER_THREAD_PREFIX, options.workers)
         self._closed = False
-        _live.add(self)
+        self._live_key = next(_live_keys)
+        _live[self._live_key] = weakref.ref(self, functools.partial(_forget_live, self._live_key))
 
     @property
     def server_urls(self) -> tuple[str, ...]:
@@ -324,8 +328,10 @@ class Flusher:
                 track.final = _merged([*track.passes, FlushResult(*track.pair, ok=False, error=str(exc))], idle=None)
                 continue
             token = CancelToken(call.deadline_at, call.deadline_at + self._options.linger)
-            mine = _Pending(Future(), token)
+            mine = _Pending(Outcome(), token)
             pending = self._inflight.setdefault(track.pair, mine)  # one atomic step: claim the pair, or join
+            if pending is not mine and not _joinable(pending):
+                pending = mine  # claimed by the call a signal handler interrupted, never sent: sent again here
             track.pending, track.joined = pending, pending is not mine
             if track.joined:  # another call sent the pair meanwhile
                 room.put(None)
@@ -334,6 +340,7 @@ class Flusher:
             post = functools.partial(transport.post, *track.pair, authorization, token)
             if not call.workers.run(mine.future, post, track.pair[0]):
                 token.cancel("the Flusher was closed")  # (closed meanwhile by another thread)
+            token.handed = True
         if sent < len(fresh):  # stopped: what still waits for a worker is never sent
             for track in fresh[:sent]:  # (first, so that the workers go quiet before the bookkeeping below)
                 if track.pending is not None and not track.joined and track.pending.future.cancel():
@@ -361,9 +368,10 @@ class Flusher:
     def _joined(self, track: _Track) -> bool:
         """Single flight: join the pair's request still out, if an earlier call sent one."""
         pending = self._inflight.get(track.pair)
-        if pending is not None:
-            track.pending, track.joined = pending, True
-        return pending is not None
+        if pending is None or not _joinable(pending):
+            return False
+        track.pending, track.joined = pending, True
+        return True
 
     def _forget(self, pair: Pair, pending: _Pending) -> None:
         """Drop ``pending`` from the in-flight map, and nothing that replaced it meanwhile."""
@@ -455,7 +463,7 @@ class Flusher:
         self._workers.stop()
         self.abandon_in_flight("the Flusher was closed")
         self._inflight.clear()
-        _live.discard(self)
+        _live.pop(self._live_key, None)
         if transport is not None:
             transport.close()
 
@@ -486,6 +494,13 @@ def _reported(call: _Call) -> int:
     """The pairs the call's report is expected to cost: every pair until a report was measured, else
     those sent (the measured cost is a sent pair's share of the whole report)."""
     return len(call.tracks) if call.costs.guessed else max(len(call.tracks) - int(call.made[1]), 1)
+
+
+def _joinable(pending: _Pending) -> bool:
+    """May another call wait on this request? Once it is handed to a worker, or answered: a call that
+    claimed a pair and was interrupted before handing it over (a signal handler flushing the same
+    pair, whose wait the interrupted call cannot end) is not waited on."""
+    return pending.token.handed or pending.future.done()
 
 
 def _give_up(pending: _Pending, reason: str) -> None:
@@ -530,7 +545,20 @@ def flush(server_urls: str | Sequence[str], instance_ids: str | Iterable[str] | 
         return flusher.flush(instance_ids)
 
 
-_live: weakref.WeakSet[Flusher] = weakref.WeakSet()
+# The live Flushers, for the hooks and forks: one ``dict`` operation at a time, and walked over a
+# snapshot (``list(_live.values())``, one C call), so that a signal handler that makes a Flusher while
+# a hook walks them changes nothing under its feet (a ``WeakSet`` walked in Python raised "Set changed
+# size during iteration" and the hook flushed nothing).
+_live: dict[int, weakref.ref[Flusher]] = {}
+_live_keys = itertools.count()
+
+
+def _forget_live(key: int, _: object) -> None:
+    _live.pop(key, None)
+
+
+def _live_flushers() -> list[Flusher]:
+    return [flusher for ref in list(_live.values()) if (flusher := ref()) is not None]
 
 
 class _measured:
@@ -547,12 +575,12 @@ class _measured:
 
 def abandon_all_in_flight(reason: str = "given up at interpreter exit") -> None:
     """Give up every request of every live Flusher (interpreter shutdown, signal handlers)."""
-    for flusher in list(_live):
+    for flusher in _live_flushers():
         flusher.abandon_in_flight(reason)
 
 
 def _after_fork_in_child() -> None:
-    for flusher in list(_live):
+    for flusher in _live_flushers():
         flusher._forget_after_fork()
 
 

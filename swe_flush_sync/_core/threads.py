@@ -15,7 +15,9 @@ So on the way from a caller to the threads that send, no lock is taken that the 
 may hold: ``Workers`` hands calls over through ``queue.SimpleQueue`` (its ``put`` is documented
 re-entrant) and counts idle threads with another, and a caller waits on an ``Inbox`` of its own.
 (``ThreadPoolExecutor.submit`` holds a plain ``Lock``; a handler's flush that re-entered it hung
-the trainer for ever.)
+the trainer for ever.) A call's outcome and a request's cancellation are ``outcome.Outcome`` and
+``outcome.Gate``, for the same reason. The rule, and how to check a change against it (the signal
+sweep, ``tests/hooks/test_signal_sweep.py``): docs/architecture.md, "Signal handlers".
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
-from concurrent.futures import Future
 from typing import Any, Final, Generic, Protocol, TypeVar
+
+from .outcome import Outcome
 
 T = TypeVar("T")
 
@@ -99,7 +102,7 @@ class Runner(Protocol):
     """What runs a flush's requests: ``run`` puts ``call`` on a thread and its outcome in ``future``
     (False, ``future`` cancelled, when it cannot any more); ``key`` names the call's agent server."""
 
-    def run(self, future: Future[T], call: Callable[[], T], key: Hashable = None) -> bool: ...
+    def run(self, future: Outcome[T], call: Callable[[], T], key: Hashable = None) -> bool: ...
 
 
 class Workers:
@@ -121,7 +124,7 @@ class Workers:
         self._begin()
 
     def _begin(self) -> None:
-        self._tasks: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
+        self._tasks: queue.SimpleQueue[tuple[Outcome[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
         self._idle: queue.SimpleQueue[None] = queue.SimpleQueue()  # one item per thread waiting for a call
         self._slots: queue.SimpleQueue[None] = queue.SimpleQueue()  # one item per thread that may still start
         for _ in range(self._limit):
@@ -132,7 +135,7 @@ class Workers:
         """The threads started (and starting) since the last ``let_go``."""
         return self._limit - self._slots.qsize()
 
-    def run(self, future: Future[T], call: Callable[[], T], key: Hashable = None) -> bool:
+    def run(self, future: Outcome[T], call: Callable[[], T], key: Hashable = None) -> bool:
         """Run ``call`` into ``future`` on a thread, in turn (``key`` changes nothing here); False
         (``future`` cancelled) once stopped."""
         if self._stopped:
@@ -173,7 +176,7 @@ class Workers:
         return True
 
     @staticmethod
-    def _serve(tasks: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None],
+    def _serve(tasks: queue.SimpleQueue[tuple[Outcome[Any], Callable[[], Any]] | None],
                idle: queue.SimpleQueue[None]) -> None:
         while (task := tasks.get()) is not None:
             future, call = task

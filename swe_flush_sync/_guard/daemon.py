@@ -65,6 +65,7 @@ DEFAULT_MAX_HELD: Final = 256 << 20  # bytes all held states may take (--max-hel
 HELD_COST: Final = 2  # what a held state costs in memory, in bytes of its line: its parsed ids and bearers
 STATUS_TIMEOUT: Final = 2.0  # seconds ``--status`` waits for an answer
 FD_RESERVE: Final = 256  # descriptors never given to peers: flushes, the ledger, stderr
+STATUS_SLOTS: Final = 8  # connections past the peer limit that may ask for the status (or the listener) only
 SAY_EVERY: Final = 60.0  # seconds between two lines of the same kind (retries, drops, refusals)
 CLOSE_DRAIN: Final = 5.0  # seconds a closing guard waits for its record writes before its own lock goes,
 # and, at the end of its drain, for the deaths' flushes that run (a successor would flush them again)
@@ -451,6 +452,9 @@ class Guard:
         self._parsed: queue.SimpleQueue[tuple[Channel, dict[str, Any] | BadLine, int]] = queue.SimpleQueue()
         self._records = _RecordWriter(self.say) if ledger is not None else None
         self._connected: collections.Counter[str] = collections.Counter()  # tokens of the trainers held now
+        # The pids of the open connections' peers, until each connection's end is handled (a death's
+        # flush is then owned): a state still being parsed has no token yet, and its record is ours.
+        self._peer_pids: collections.Counter[int] = collections.Counter()
         self._handed_over: set[Channel] = set()  # closed by this guard at the end of its drain: not dead
         self._successor: Channel | None = None  # the connection of the successor this guard's listener went to
         self.budget = _HeldBudget(max_held)
@@ -471,7 +475,7 @@ class Guard:
         records = self._records  # a record is this guard's while its flush runs or waits, then while its
         # removal waits (queued before the flush lets it go: asked in this order)
         self._recovery = None if ledger is None or records is None else LedgerRecovery(
-            ledger, grace=takeover_grace, connected=self._connected,
+            ledger, grace=takeover_grace, connected=self._connected, peer_pids=self._peer_pids,
             owns=lambda token: self.deaths.owns(token) or records.busy(token), stop=self._stop,
             http=self.deaths.http, say=self.say, say_once=self._lines.say, metrics=self.metrics)
 
@@ -512,8 +516,9 @@ class Guard:
                                                 f"{os.geteuid()} and root may connect")
             conn.close()
             return
-        if len(self.loop.channels) >= self.max_peers and not self._drop_idle():
-            conn.close()  # every peer holds a trainer: take no more until one ends
+        status_only = len(self.loop.channels) >= self.max_peers and not self._drop_idle()
+        if status_only and len(self.loop.channels) >= self.max_peers + STATUS_SLOTS:
+            conn.close()  # every peer holds a trainer, and the status slots are taken: none more until one ends
             self.socket.pause()
             return
         fd = conn.detach()
@@ -525,7 +530,9 @@ class Guard:
                           locks=self.locks.named, armed=self.locks.give, offload=self._offload,
                           recorded=self._on_recorded, listener=self._pass_listener)
         channel.trainer_start = process_start_time(pid) if pid > 0 else None
+        channel.status_only = status_only  # past the peer limit: a liveness probe (or a successor) is still served
         self.budget.admit(channel, peer)
+        self._peer_pids[pid] += 1
         self.loop.add(channel)
 
     def _offload(self, channel: Channel, line: bytearray) -> None:
@@ -619,6 +626,9 @@ class Guard:
             self._connected[channel.token] -= 1
             if self._connected[channel.token] <= 0:
                 del self._connected[channel.token]
+        self._peer_pids[channel.trainer_pid] -= 1
+        if self._peer_pids[channel.trainer_pid] <= 0:
+            del self._peer_pids[channel.trainer_pid]
         if handed_over or death:  # a death's pairs wait for their flush outside the budget (live trainers')
             self._handed_over.discard(channel)
             self.budget.release(channel)

@@ -223,11 +223,11 @@ class LedgerRecovery:
     lockless records only after ``grace`` seconds (its trainers may reconnect meanwhile)."""
 
     def __init__(self, ledger: str, *, grace: float, connected: collections.Counter[str],
-                 owns: Callable[[str], bool], stop: threading.Event,
+                 peer_pids: collections.Counter[int], owns: Callable[[str], bool], stop: threading.Event,
                  http: KeyedWorkers, say: Callable[[str], None],
                  say_once: Callable[[str, str], None], metrics: GuardMetrics | None) -> None:
         self._ledger, self._grace, self._connected, self._stop, self._http = ledger, grace, connected, stop, http
-        self._owns = owns
+        self._owns, self._peer_pids = owns, peer_pids
         self._say, self._say_once, self._metrics = say, say_once, metrics
         self._started = time.monotonic()
         self._watched: dict[tuple[int, int], int] = {}  # (pid, start time) -> a pidfd of a record's live trainer
@@ -297,12 +297,15 @@ class LedgerRecovery:
         self._say(f"recovered {records} record(s) of trainers gone; {report.summary()}")
 
     def _judge(self, record: Record, gone: bool) -> bool:
-        """A trainer connected to this guard is never gone; a record that names a trainer's lock is as
-        the lock says, else (the file gone or replaced) as its pids and heartbeat say; a lockless
-        predecessor's record (its guard gone, here) whose trainer has not reconnected within the
-        grace is gone, whatever its heartbeat says."""
+        """A trainer connected to this guard is never gone (nor one whose pid here has a connection open:
+        its state may wait for the parser, and the connection's end is this guard's to judge); a record
+        that names a trainer's lock is as the lock says, else (the file gone or replaced) as its pids and
+        heartbeat say; a lockless predecessor's record (its guard gone, here) whose trainer has not
+        reconnected within the grace is gone, whatever its heartbeat says."""
         if record.trainer is not None and (record.trainer in self._connected or self._owns(record.trainer)):
             return False  # guarded by its connection, or its flush or record file I/O is this guard's own
+        if record.pid > 0 and record.pid in self._peer_pids and record.place == Place.here():
+            return False
         if gone:
             return True
         self._watch(record)

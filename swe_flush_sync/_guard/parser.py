@@ -4,9 +4,10 @@
 thread of the guard runs meanwhile: not its loop, not a flush. So a line over ``OFFLOAD_BYTES``
 goes to one child process (started with the guard, restarted if it dies), which sends back the
 parsed message as ``marshal`` data: a few times cheaper to load than the JSON it came from. The
-child ends when the guard closes its pipe (at the guard's death too: end-of-file). A parse that
-has not answered within ``PARSE_TIMEOUT`` (a stopped or stuck child) has its child killed and
-replaced, and is tried once more on the new one: no thread of the guard waits on it for longer.
+child ends when the guard closes its pipe (at the guard's death too: end-of-file). A parse whose
+child makes no progress for ``PARSE_TIMEOUT`` (a stopped or stuck child), or runs past a ceiling
+that grows with the line (``PARSE_PER_MIB``), has its child killed and replaced, and is tried once
+more on the new one; a slow parse on a loaded host is waited for, not refused.
 """
 
 from __future__ import annotations
@@ -24,21 +25,57 @@ from typing import Any, Final
 from .._process.wire import BadLine, parse_line
 
 _HEADER: Final = struct.Struct("!Q")  # the length of what follows
-PARSE_TIMEOUT: Final = 3.0  # seconds a parse may take before its child is replaced (32 MiB: ~0.3 s loaded)
+PARSE_TIMEOUT: Final = 3.0  # seconds a parse's child may make no progress (use no CPU) before it is replaced
+PARSE_PER_MIB: Final = 5.0  # ... and seconds per MiB of the line (on top of PARSE_TIMEOUT) it may take at most,
+# progress or not (a 9.5 MiB state took 2.3-4.1 s alone, 13.8 s beside 12 CPU burners)
 
 
-def _wait(fd: int, event: int, give_up_at: float | None) -> None:
-    """Until ``fd`` is ready for ``event`` (a non-blocking pipe); ``TimeoutError`` past ``give_up_at``."""
-    if give_up_at is None:
+class _Patience:
+    """How long a parse is waited for: while its child makes progress (its CPU time grows within each
+    ``PARSE_TIMEOUT``), up to ``PARSE_TIMEOUT`` plus ``PARSE_PER_MIB`` a MiB of the line. A stopped or
+    stuck child is replaced after ``PARSE_TIMEOUT``; a slow one, under load, is waited for."""
+
+    def __init__(self, pid: int, size: int) -> None:
+        now = time.monotonic()
+        self._pid = pid
+        self._ceiling = now + PARSE_TIMEOUT + PARSE_PER_MIB * size / (1 << 20)
+        self._cpu, self._next_look = _cpu_ticks(pid), now + PARSE_TIMEOUT
+
+    def left(self) -> float:
+        """Seconds until the next look at the child's progress."""
+        return min(self._next_look, self._ceiling) - time.monotonic()
+
+    def goes_on(self) -> bool:
+        """At a look: has the child used CPU since the last one (and is the ceiling still ahead)?"""
+        now, cpu = time.monotonic(), _cpu_ticks(self._pid)
+        if now >= self._ceiling or cpu is None or cpu == self._cpu:
+            return False
+        self._cpu, self._next_look = cpu, now + PARSE_TIMEOUT
+        return True
+
+
+def _cpu_ticks(pid: int) -> int | None:
+    """The user and system CPU time ``pid`` used, in clock ticks (/proc/PID/stat); None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rpartition(b")")[2].split()
+    except OSError:
+        return None
+    return int(fields[11]) + int(fields[12])
+
+
+def _wait(fd: int, event: int, patience: _Patience | None) -> None:
+    """Until ``fd`` is ready for ``event`` (a non-blocking pipe); ``TimeoutError`` once ``patience`` ends."""
+    if patience is None:
         return
     poller = select.poll()
     poller.register(fd, event)
-    left = give_up_at - time.monotonic()
-    if left <= 0 or not poller.poll(left * 1000):
-        raise TimeoutError
+    while not poller.poll(max(patience.left(), 0.0) * 1000):
+        if not patience.goes_on():
+            raise TimeoutError
 
 
-def _read_exactly(fd: int, size: int, give_up_at: float | None = None) -> bytearray:
+def _read_exactly(fd: int, size: int, patience: _Patience | None = None) -> bytearray:
     """``size`` bytes from ``fd``, read in place; fewer only at end-of-file."""
     data = bytearray(size)
     view, done = memoryview(data), 0
@@ -46,7 +83,7 @@ def _read_exactly(fd: int, size: int, give_up_at: float | None = None) -> bytear
         try:
             got = os.readv(fd, [view[done:]])
         except BlockingIOError:
-            _wait(fd, select.POLLIN, give_up_at)
+            _wait(fd, select.POLLIN, patience)
             continue
         if not got:
             del data[done:]
@@ -56,13 +93,13 @@ def _read_exactly(fd: int, size: int, give_up_at: float | None = None) -> bytear
     return data
 
 
-def _write_exactly(fd: int, data: bytes | bytearray, give_up_at: float | None = None) -> None:
+def _write_exactly(fd: int, data: bytes | bytearray, patience: _Patience | None = None) -> None:
     view = memoryview(data)
     while view:
         try:
             view = view[os.write(fd, view):]
         except BlockingIOError:
-            _wait(fd, select.POLLOUT, give_up_at)
+            _wait(fd, select.POLLOUT, patience)
 
 
 def main() -> None:
@@ -85,6 +122,18 @@ def main() -> None:
         _write_exactly(1, _HEADER.pack(len(data)) + data)
 
 
+# The child imports this file and ``_process.wire`` (the standard library's only) as modules of a
+# package named ``LEAN_PACKAGE`` on the package's folder, so that the package's own ``__init__``
+# (every public name, requests included) is never run there.
+LEAN_PACKAGE: Final = "_swe_flush_parser"
+_CHILD_CODE: Final = f"""import importlib, importlib.machinery, importlib.util, sys
+spec = importlib.machinery.ModuleSpec({LEAN_PACKAGE!r}, None, is_package=True)
+spec.submodule_search_locations = [{os.path.dirname(os.path.dirname(os.path.abspath(__file__)))!r}]
+sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+importlib.import_module({LEAN_PACKAGE + "._guard.parser"!r}).main()
+"""
+
+
 class ParserProcess:
     """The guard's side: one child, used by one thread at a time (the guard's parse thread)."""
 
@@ -95,29 +144,28 @@ class ParserProcess:
         """Start the child now (at the guard's start: no thread or process is started later but this one,
         and only to replace it)."""
         if self._child is None or self._child.poll() is not None:
-            code = f"import sys; sys.path[:0] = {sys.path!r}; from swe_flush_sync._guard.parser import main; main()"
-            self._child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                           stderr=subprocess.DEVNULL, cwd="/")
+            self._child = subprocess.Popen([sys.executable, "-c", _CHILD_CODE], stdin=subprocess.PIPE,
+                                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd="/")
             assert self._child.stdin is not None and self._child.stdout is not None
             os.set_blocking(self._child.stdin.fileno(), False)  # waits are the guard's, with a deadline
             os.set_blocking(self._child.stdout.fileno(), False)
 
     def parse(self, line: bytes | bytearray) -> dict[str, Any] | BadLine:
         """The message of ``line``, or what is wrong with it (the child replaced, and tried once more,
-        if it failed or did not answer within ``PARSE_TIMEOUT``)."""
+        if it failed, or made no progress for ``PARSE_TIMEOUT``, or ran past its line's ceiling)."""
         for _ in range(2):
             try:
                 self.start()
                 child = self._child
                 assert child is not None and child.stdin is not None and child.stdout is not None
-                give_up_at = time.monotonic() + PARSE_TIMEOUT
-                _write_exactly(child.stdin.fileno(), _HEADER.pack(len(line)), give_up_at)
-                _write_exactly(child.stdin.fileno(), line, give_up_at)
-                header = _read_exactly(child.stdout.fileno(), _HEADER.size, give_up_at)
+                patience = _Patience(child.pid, len(line))
+                _write_exactly(child.stdin.fileno(), _HEADER.pack(len(line)), patience)
+                _write_exactly(child.stdin.fileno(), line, patience)
+                header = _read_exactly(child.stdout.fileno(), _HEADER.size, patience)
                 if len(header) < _HEADER.size:
                     raise EOFError
                 kind, value = marshal.loads(_read_exactly(child.stdout.fileno(), _HEADER.unpack(header)[0],
-                                                          give_up_at))
+                                                          patience))
             except (OSError, EOFError, ValueError, TypeError):  # TimeoutError is an OSError
                 self.close()
                 continue

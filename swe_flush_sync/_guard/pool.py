@@ -24,9 +24,9 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Hashable
-from concurrent.futures import Future
 from typing import Final, TypeVar
 
+from .._core.outcome import Outcome
 from .._core.threads import start_daemon_thread
 
 T = TypeVar("T")
@@ -162,7 +162,7 @@ class KeyedWorkers:
     def __init__(self, name: str, workers: int, on_start_failure: Callable[[str], None]) -> None:
         self.pool = WorkPool(name, workers, on_start_failure)
 
-    def run(self, future: Future[T], call: Callable[[], T], key: Hashable = None) -> bool:
+    def run(self, future: Outcome[T], call: Callable[[], T], key: Hashable = None) -> bool:
         """Queue ``call`` under ``key``; where no thread could start at all (a pids limit), run it here."""
         self.pool.submit(functools.partial(_run_into, future, call), key=key)
         if not self.pool.threads:  # (bounded by the call's own deadline; a worker taking it meanwhile: skipped)
@@ -170,7 +170,7 @@ class KeyedWorkers:
         return True
 
 
-def _run_into(future: Future[T], call: Callable[[], T]) -> None:
+def _run_into(future: Outcome[T], call: Callable[[], T]) -> None:
     """Run ``call`` into ``future``, unless it was given up (cancelled) or another thread runs it."""
     try:
         if not future.set_running_or_notify_cancel():

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
     from .._core.threads import Runner
 
+STATUS_ONLY_BYTES: Final = 4096  # a longer line from a status-only connection ends it unparsed
 SAY_TIMEOUT: Final = 0.5  # seconds a line to the inherited stderr may take (a reader that stopped reading)
 
 
@@ -96,6 +97,7 @@ class Channel:
         self.lock_recorded = False  # a record naming ``lock`` was written (the trainer was told ``recorded``)
         self._recorded = recorded  # a guard: called (on its ledger thread) once a record names ``lock``
         self._listener = listener  # a guard: a successor asks for the listening socket
+        self.status_only = False  # a guard's connection past its peer limit: a status query or a successor's only
         self.trainer_start: int | None = None  # the trainer's start time, where its pid can be seen here
         self._offload = offload  # a guard parses lines over OFFLOAD_BYTES on a worker: the loop never waits on one
         self.parsing = False  # a line of this channel is being parsed elsewhere: the lines after it wait
@@ -193,6 +195,8 @@ class Channel:
         """Apply one line; False when the channel ends (disarm, or a strict channel's bad line)."""
         if line.endswith(CANCEL) or not line:
             return True  # a line the trainer could write only in part and then ended: the next one replaces it
+        if self.status_only and len(line) > STATUS_ONLY_BYTES:
+            return False
         if self._offload is not None and len(line) > OFFLOAD_BYTES:
             self.parsing = True
             self._offload(self, line)  # a copy of its own; taken back by take_parsed, on the loop's thread
@@ -227,6 +231,8 @@ class Channel:
         if message.get("status") is True:  # a probe (swe-flush guard --status): how many trainers are held
             self.tell(STATUS + b" %d " % os.getpid() + (self._status() if self._status else b"1"))
             return True
+        if self.status_only:  # a trainer past the peer limit: closed, as if never accepted
+            return False
         state, seq = message.get("state"), message.get("seq")
         if not isinstance(state, dict) or isinstance(seq, bool) or not isinstance(seq, int):
             return self.refuse_line("a message of the wrong shape")

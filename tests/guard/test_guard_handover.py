@@ -407,3 +407,65 @@ def test_a_guard_writes_no_record_of_a_trainer_it_handed_over(stub: AgentServerS
         if not gone(first_pid):
             os.kill(first_pid, signal.SIGKILL)
         _end(first, *([successor] if successor else []))
+
+
+BIG_TRAINER = """
+args = argparse.Namespace(session_server_instance_ids={{i: f"{name}-{{i:090d}}" for i in range(800)}})
+dog = watchdog(args, guard={path!r}, until_idle=False)
+print("ARMED", dog.pid, flush=True)
+for line in sys.stdin:
+    pass
+"""
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as children:
+            found += [int(child) for child in children.read().split()]
+    return found
+
+
+def _pipe_holds_bytes(pid: int, fd: int) -> bool:
+    """Does the pipe that ``pid`` reads as ``fd`` hold unread bytes? (Another reader's view of the same pipe.)"""
+    import termios
+
+    reader = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        pending = bytearray(4)
+        fcntl.ioctl(reader, termios.FIONREAD, pending)
+        return int.from_bytes(pending, "little") > 0
+    finally:
+        os.close(reader)
+
+
+def test_a_trainer_that_dies_while_the_successor_parses_its_state_is_flushed_once(stub: AgentServerStub,
+                                                                                   short_dir: Path) -> None:
+    """The guard is SIGKILLed and a supervisor starts another; the trainer re-arms with it and dies while
+    its state (over 64 KiB: parsed in the parser process, stopped here) waits to be parsed. The successor's
+    recovery pass found the record (naming the dead guard's free lock) neither connected nor its own and
+    flushed it; the parse then ended, the connection too, and the death was flushed a second time."""
+    path, ledger = str(short_dir / "guard.sock"), short_dir / "ledger"
+    env = {"AGENT_SERVER_URL": stub.url, "HARBOR_ADMIN_SECRET": SECRET}
+    first = _guard(path, "--ledger", str(ledger), **env)
+    trainer = Trainer(stub, BIG_TRAINER.format(name="big", path=path), stdin=True)
+    trainer.armed()
+    successor = None
+    try:
+        assert wait_until(lambda: len(records(ledger)) == 1, 10.0)
+        trainer.proc.send_signal(signal.SIGSTOP)
+        first.kill()
+        first.wait(10)
+        successor = _guard(path, "--ledger", str(ledger), **env)
+        [parser] = _children(successor.pid)
+        os.kill(parser, signal.SIGSTOP)
+        trainer.proc.send_signal(signal.SIGCONT)  # it re-arms with the successor: its state waits for the parser
+        assert wait_until(lambda: _pipe_holds_bytes(parser, 0), 10.0)
+        trainer.proc.kill()
+        ids = {f"big-{i:090d}" for i in range(800)}
+        assert wait_until(lambda: ids <= set(stub.flushed_ids()), 20.0)  # the parse is given up in 3 s, and tried again
+        assert stays(lambda: len(stub.flushed_ids()) == len(ids), 3.0), len(stub.flushed_ids())  # a pass: 2 s
+    finally:
+        trainer.proc.send_signal(signal.SIGCONT)
+        trainer.proc.kill()
+        _end(first, *([successor] if successor else []))

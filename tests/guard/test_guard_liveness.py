@@ -132,26 +132,28 @@ def test_a_death_is_owned_before_it_stops_counting_as_connected(short_dir: Path)
     owned_when_uncounted: list[bool] = []
 
     class Watched(collections.Counter):  # type: ignore[type-arg]
-        def __delitem__(self, key: str) -> None:
-            owned_when_uncounted.append(daemon.deaths.owns(key))
+        def __delitem__(self, key: str | int) -> None:
+            owned_when_uncounted.append(daemon.deaths.owns(token))
             super().__delitem__(key)
 
     daemon._connected.__class__ = Watched
     daemon._connected[token] = 1
+    daemon._peer_pids.__class__ = Watched  # the record is left alone while its pid has a connection open
+    daemon._peer_pids[4321] = 1
     flushed: list[object] = []
     daemon.deaths.gone = flushed.append  # type: ignore[method-assign]
     read_fd, write_fd = os.pipe()
     os.close(write_fd)
 
     class Dead:
-        who, error, disarmed, lock = "pid 4321 (uid 0)", None, False, None
+        who, error, disarmed, lock, trainer_pid = "pid 4321 (uid 0)", None, False, None, 4321
 
         def __init__(self) -> None:
             self.read_fd, self.token, self.state = read_fd, token, {"urls": ["http://127.0.0.1:9"], "ids": ["a"]}
 
     channel = Dead()
     daemon._ended(channel)  # type: ignore[arg-type]
-    assert owned_when_uncounted == [True] and flushed == [channel]
+    assert owned_when_uncounted == [True, True] and flushed == [channel] and not daemon._peer_pids
 
 
 @pytest.mark.parametrize("cleaner", ["every file removed", "the lock folder moved by another uid"])

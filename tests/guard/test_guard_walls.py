@@ -468,6 +468,36 @@ def test_a_full_fd_table_loses_no_flush(stub: AgentServerStub, short_dir: Path) 
     assert guard_proc.poll() is None
 
 
+def test_a_guard_at_its_peer_limit_still_answers_its_status(short_dir: Path) -> None:
+    """Every peer holds a trainer (the limit is 16 here): 1.2.0 closed every new connection, and a liveness
+    probe (``swe-flush guard --status``) heard "no guard answers" from a full, healthy guard."""
+    path = str(short_dir / "guard.sock")
+    limit = "import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (272, 272)); "  # 272 - 256 reserved
+    guard_proc = spawn([PYTHON, "-c", limit + "import sys; from swe_flush_sync._cli.main import main; "
+                        "sys.exit(main(sys.argv[1:]))", "guard", "--socket", path], stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, env=subprocess_env(), start_new_session=True)
+    assert read_until(guard_proc, lambda line: line.startswith("guarding"), []) is not None
+    peers = []
+    try:
+        for n in range(16):
+            peer = connect(path)
+            peer.sendall(state_line(a_state(trainer=f"{n:032x}", ids=[f"full-{n}"])))
+            assert answer(peer).startswith(b"held"), n
+            peers.append(peer)
+        for _ in range(3):  # the status slots are given back as each probe ends
+            status = guard_status(path)
+            assert status is not None and status.trainers == 16, status
+        late = connect(path)  # a trainer past the limit: closed unanswered, as before
+        late.sendall(state_line(a_state(trainer="f" * 32, ids=["late"])))
+        assert answer(late) == b""
+        late.close()
+    finally:
+        for peer in peers:
+            peer.close()
+        guard_proc.kill()
+        guard_proc.communicate(timeout=10)
+
+
 def _cpu_seconds(pid: int) -> float:
     fields = proc_stat(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
