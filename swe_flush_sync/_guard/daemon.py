@@ -65,6 +65,7 @@ DEFAULT_MAX_HELD: Final = 256 << 20  # bytes all held states may take (--max-hel
 HELD_COST: Final = 2  # what a held state costs in memory, in bytes of its line: its parsed ids and bearers
 STATUS_TIMEOUT: Final = 2.0  # seconds ``--status`` waits for an answer
 FD_RESERVE: Final = 256  # descriptors never given to peers: flushes, the ledger, stderr
+MAX_HOST: Final = 255  # characters of the host name a trainer sends (shown in lines, cut to 64)
 STATUS_SLOTS: Final = 8  # connections past the peer limit that may ask for the status (or the listener) only
 SAY_EVERY: Final = 60.0  # seconds between two lines of the same kind (retries, drops, refusals)
 CLOSE_DRAIN: Final = 5.0  # seconds a closing guard waits for its record writes before its own lock goes,
@@ -369,6 +370,9 @@ def checked_state(state: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     pid = state.get("pid")
     if pid is not None and (type(pid) is not int or pid <= 0):
         raise ValueError("pid must be a positive integer")
+    host = state.get("host")
+    if host is not None and (not isinstance(host, str) or len(host) > MAX_HOST):
+        raise ValueError(f"host must be a str of at most {MAX_HOST} characters")
     known = {key: value for key, value in options.items() if key in _OPTION_KEYS}
     if isinstance(known.get("client_cert"), list):
         known["client_cert"] = tuple(known["client_cert"])
@@ -377,7 +381,7 @@ def checked_state(state: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         trainer = hashlib.sha256(trainer.encode()).hexdigest()  # learns nothing it could reconnect with
     return ({"urls": list(normalize_server_urls(urls, "urls")) if urls else [],
              "ids": list(normalize_instance_ids(ids)), "tokens": tokens, "options": known, "trainer": trainer,
-             "pid": pid, "lock_fd": state.get("lock_fd") is True and trainer is not None},
+             "pid": pid, "host": host, "lock_fd": state.get("lock_fd") is True and trainer is not None},
             sorted(str(key) for key in options if key not in _OPTION_KEYS))
 
 
@@ -600,9 +604,9 @@ class Guard:
             self._connected[state["trainer"]] += 1
         if dropped and not peer.said_options:  # once per connection, and once a minute over all of them
             peer.said_options = True
-            self._lines.say("unknown options", f"trainer {trainer_name(state, pid, uid)} sent options this guard "
-                                               f"does not know, dropped: {shown(', '.join(dropped))} (upgrade the "
-                                               "guard)")
+            who = trainer_name(state, pid, uid, record=True)
+            self._lines.say("unknown options", f"trainer {who} sent options this guard does not know, dropped: "
+                                               f"{shown(', '.join(dropped))} (upgrade the guard)")
         return state
 
     def _status(self) -> bytes:

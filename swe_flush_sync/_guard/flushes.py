@@ -244,11 +244,12 @@ class LedgerRecovery:
         options = FlushOptions(until_idle=True, linger=0.0)
         while not self._stop.is_set():
             claimed: list[int] = []
+            started = time.monotonic()
             try:
                 report = recover_with(self._ledger, None, os.environ, options, judge=self._judge,
                                       on_claimed=claimed.append, quiet=True, workers=self._http)
                 if claimed:
-                    self._said_recovered(claimed[0], report)
+                    self._said_recovered(claimed[0], report, started)
                 elif report.error:
                     self._say_once("recover", f"recovering the ledger: {report.error}")
             except ConfigError as exc:
@@ -289,11 +290,15 @@ class LedgerRecovery:
             return
         self._watched[key] = fd
 
-    def _said_recovered(self, records: int, report: FlushReport) -> None:
-        """A recover pass that claimed records: a line like a trainer's death, and the flush metrics."""
+    def _said_recovered(self, records: int, report: FlushReport, started: float) -> None:
+        """A recover pass that claimed records: a line like a trainer's death, and the flush metrics (each
+        record's death flushed ``started``, when the pass began: a watched trainer's exit starts it)."""
         if self._metrics is not None:
             self._metrics.recovered.inc(records)
             self._metrics.flushed(report)
+            if report.ok:
+                for _ in range(records):
+                    self._metrics.death_to_flush.observe(time.monotonic() - started)
         self._say(f"recovered {records} record(s) of trainers gone; {report.summary()}")
 
     def _judge(self, record: Record, gone: bool) -> bool:

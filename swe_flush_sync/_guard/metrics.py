@@ -53,7 +53,8 @@ class GuardMetrics:
         self.cancelled = Counter("swe_flush_guard_trials_cancelled", "Trials the agent servers said they cancelled "
                                                                      "for trainers that died")
         self.death_to_flush = Histogram("swe_flush_guard_death_to_flush_seconds", "Seconds from a trainer's death "
-                                        "(its connection's end) to the end of the flush that flushed it",
+                                        "(its connection's end; for a ledger record, the recovery pass's start) "
+                                        "to the end of the flush that flushed it",
                                         buckets=BUCKETS)
         self.dropped = Counter("swe_flush_guard_connections_dropped", "Connections the guard ended or refused, by "
                                                                       "reason", ["reason"])

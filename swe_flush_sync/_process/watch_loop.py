@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
+from .._core.text import shown
 from .liveness import LockFile
 from .proc import alive
 from .record import DEFAULT_HEARTBEAT, RecordKeeper
@@ -56,10 +57,17 @@ LedgerIO = Callable[["Channel", Callable[[], None]], None]
 """Runs one channel's record I/O (a write or a removal): a guard queues it on a writer thread."""
 
 
-def trainer_name(state: dict[str, Any], peer_pid: int, uid: int | None) -> str:
+def trainer_name(state: dict[str, Any], peer_pid: int, uid: int | None, *, record: bool = False) -> str:
     """A trainer for an operator: its pid as its own PID namespace sees it (sent in its state; the
-    peer's pid here is 0 across namespaces), and its uid when known."""
-    return f"pid {state.get('pid') or peer_pid}" + (f" (uid {uid})" if uid is not None else "")
+    peer's pid here is 0 across namespaces), its uid when known, its host (a pod's name: every
+    sidecar trainer is pid 1) and, with ``record``, the first characters of the name of its record
+    (the digest of its token, as a guard keeps it: ``guard-DIGEST.json``)."""
+    said = [f"uid {uid}"] if uid is not None else []
+    if isinstance(state.get("host"), str):
+        said.append(shown(state["host"], 64))
+    if record and isinstance(state.get("trainer"), str):
+        said.append(f"record {state['trainer'][:8]}")
+    return f"pid {state.get('pid') or peer_pid}" + (f" ({', '.join(said)})" if said else "")
 
 
 class Channel:
@@ -121,7 +129,7 @@ class Channel:
     @property
     def who(self) -> str:
         """The trainer for an operator (``trainer_name``)."""
-        return trainer_name(self.state or {}, self.trainer_pid, self.trainer_uid)
+        return trainer_name(self.state or {}, self.trainer_pid, self.trainer_uid, record=self.strict)
 
     def read(self) -> bool:
         """Take what can be read; False when the channel has ended (end-of-file, disarm, ``error``)."""

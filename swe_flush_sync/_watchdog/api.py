@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import os
 import secrets
+import socket
 import sys
 import threading
 import time
@@ -68,7 +69,7 @@ class _Source:
             raise ConfigError(f"watchdog: {len(ids)} ids; a watchdog holds at most {MAX_IDS}")
         state = {
             "urls": urls, "ids": ids, "tokens": tokens, "ledger": self.ledger, "heartbeat": DEFAULT_HEARTBEAT,
-            "trainer": self.token, "pid": os.getpid(), "lock_fd": lock,
+            "trainer": self.token, "pid": os.getpid(), "host": socket.gethostname(), "lock_fd": lock,
             "sys_path": [os.path.abspath(path) for path in sys.path],
             "options": {"deadline": options.deadline, "retries": options.retries, "max_workers": options.max_workers,
                         "connect_timeout": options.connect_timeout, "backoff_factor": options.backoff_factor,

@@ -350,23 +350,28 @@ def test_a_draining_guard_answers_and_arms_trainers_until_a_successor_takes_the_
 
 
 @needs_unshare
-def test_the_guard_names_a_contained_trainer_by_its_own_pid_and_uid(stub: AgentServerStub,
-                                                                    start_guard: StartGuard) -> None:
-    """In the sidecar layout the guard sees every trainer as pid 0; it names them as they see
-    themselves (1.1: "trainer pid 0 gone" for each)."""
+def test_the_guard_names_contained_trainers_so_that_they_can_be_told_apart(stub: AgentServerStub,
+                                                                          start_guard: StartGuard) -> None:
+    """In the sidecar layout the guard sees every trainer as pid 0; it names them as they see themselves
+    (1.1: "trainer pid 0 gone" for each), with their host and their record's name: 1.2.0 named every
+    sidecar trainer "pid 1 (uid 0)"."""
     guard = start_guard()
-    trainer = Trainer(stub, f"""
+    trainers = [Trainer(stub, f"""
+        args = argparse.Namespace(session_server_instance_ids={{1: "{name}"}})
         dog = watchdog(args, guard={guard.socket!r}, until_idle=False)
         print("ARMED", os.getpid(), flush=True)
         time.sleep(60)
-    """, contained=True)
-    assert trainer.read("ARMED")[1] == "1"  # PID 1 of its container
-    trainer.proc.kill()
-    assert wait_until(lambda: sorted(stub.flushed_ids()) == sorted(IDS), 5.0)
+    """, contained=True) for name in ("side-a", "side-b")]
+    for trainer in trainers:
+        assert trainer.read("ARMED")[1] == "1"  # PID 1 of its container
+        trainer.proc.kill()
+    assert wait_until(lambda: sorted(stub.flushed_ids()) == ["side-a", "side-b"], 5.0)
     guard.proc.send_signal(signal.SIGTERM)  # nothing held: it ends at once
     assert guard.proc.wait(10) == 0
     said = guard.stderr()
-    assert f"trainer pid 1 (uid {os.geteuid()}) gone" in said and "pid 0" not in said, said
+    named = f"trainer pid 1 (uid {os.geteuid()}, {socket.gethostname()}, record "
+    records_named = {line.split(named, 1)[1][:8] for line in said.splitlines() if named in line and " gone;" in line}
+    assert len(records_named) == 2 and "pid 0" not in said, said
 
 
 def test_the_drain_time_runs_out_and_the_trainer_arms_with_the_next_guard(stub: AgentServerStub,
@@ -376,7 +381,8 @@ def test_the_drain_time_runs_out_and_the_trainer_arms_with_the_next_guard(stub: 
     trainer.read("ARMED")
     guard.proc.send_signal(signal.SIGTERM)
     assert guard.proc.wait(10) == 0
-    assert f"handed over trainers pid {trainer.proc.pid} (uid {os.geteuid()})" in guard.stderr()
+    assert f"handed over trainers pid {trainer.proc.pid} (uid {os.geteuid()}, {socket.gethostname()}, record " \
+        in guard.stderr()
     assert stub.requests == []
     successor = start_guard(path=guard.socket)
     assert wait_until(lambda: _status(successor) == (successor.proc.pid, 1), 15.0)  # its follower re-armed

@@ -95,6 +95,7 @@ def test_recovered_records_are_counted(stub: AgentServerStub, start_guard: Start
     samples = scrape(guard)  # counted like a trainer's death: the flush, its pairs, its trials
     assert value(samples, "swe_flush_guard_flushes_total", outcome="ok") == 1
     assert value(samples, "swe_flush_guard_pairs_total", outcome="ok") == 2
+    assert value(samples, "swe_flush_guard_death_to_flush_seconds_count") == 1  # 1.2.0: 0
     guard.proc.terminate()
     assert guard.proc.wait(15) == 0
     err = guard.stderr()  # and said in one line
