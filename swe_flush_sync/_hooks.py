@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Any, Final
 
 from ._core.errors import ConfigError, FlushError
 from ._core.flusher import Flusher, abandon_all_in_flight
-from ._core.logs import WORKER_THREAD_PREFIX, log_report, urllib3_silenced
+from ._core.logs import WORKER_THREAD_PREFIX, log_report, logging_set_up, urllib3_silenced
 from ._core.options import DEFAULT_DEADLINE, FlushOptions
 from ._core.outcome import Outcome
-from ._core.report import FlushReport
-from ._core.resolve import URL_ENV_VARS, resolve_bearer, resolve_instance_ids, resolve_server_list
+from ._core.report import FlushReport, FlushResult
+from ._core.resolve import URL_ENV_VARS, resolve_bearer, resolve_server_list, split_instance_ids
 from ._core.threads import Workers, start_daemon_thread
 from ._watchdog.api import SEND_TIMEOUT, disarm_flushed, hand_over_to_watchdogs, warn_lost_watchdogs
 
@@ -77,7 +77,8 @@ register_at_thread_exit(abandon_all_in_flight)
 
 class _State:
     flushed_on_signal = False
-    said_no_server = False
+    said_no_server = False  # warned (``warnings``) once per process
+    logged_no_server = False  # logged once per process (each report still says it)
 
 
 def _cached_flusher(urls: tuple[str, ...], options: FlushOptions) -> Flusher:
@@ -171,20 +172,23 @@ def _abort_report(args: Any, environ: Mapping[str, str] | None, options: FlushOp
         urls, skipped = resolve_server_list(env)  # a bad entry of a list stops only itself
         if not urls and not skipped:  # ids to flush and nowhere to send them: a misconfiguration, never ok
             with contextlib.suppress(FlushError):  # (args without ids: nothing to flush, nothing to say)
-                ids = resolve_instance_ids(args)
-                if ids:
-                    _warn_no_server_once(len(ids), hook)
-                    return FlushReport(elapsed=time.monotonic() - started, error=_no_server(len(ids)))
+                given = sum(map(len, split_instance_ids(args)))
+                if given:
+                    _warn_no_server_once(given, hook)
+                    return FlushReport(elapsed=time.monotonic() - started, error=_no_server(given))
             return FlushReport(elapsed=time.monotonic() - started)
-        ids = resolve_instance_ids(args)
-        if not ids:
+        ids, bad = split_instance_ids(args)  # an id that is not a str fails alone: the others are flushed
+        if not ids and not bad:
             return FlushReport(elapsed=time.monotonic() - started)
         if options.admin_secret is None and options.bearer is None:
             options = dataclasses.replace(options, bearer=resolve_bearer(env))
         budget = max(options.deadline - (time.monotonic() - started), 0.001)  # the deadline counts from the call
         report = _cached_flusher(urls, options)._flush_ids(ids, budget, until_idle=options.until_idle,
-                                                           workers=_standby if hook else None) if urls \
+                                                           workers=_standby if hook else None) if urls and ids \
             else FlushReport(elapsed=time.monotonic() - started)
+        if bad:
+            report = dataclasses.replace(report, results=report.results + tuple(
+                FlushResult(url, bad_id.value, ok=False, error=bad_id.why()) for url in urls for bad_id in bad))
         if skipped:  # flushed on the good servers; never ok, and saying which entry was skipped
             report = dataclasses.replace(report, error="skipped " + "; ".join(skipped))
         return report
@@ -195,9 +199,36 @@ def _abort_report(args: Any, environ: Mapping[str, str] | None, options: FlushOp
     return FlushReport(elapsed=time.monotonic() - started, error=error)
 
 
+_NO_SERVER: Final = "but no agent server configured"
+
+
 def _no_server(ids: int) -> str:
-    return (f"{ids} instance id(s) in args but no agent server configured ({' and '.join(URL_ENV_VARS)} unset): "
-            "nothing was flushed")
+    return f"{ids} instance id(s) in args {_NO_SERVER} ({' and '.join(URL_ENV_VARS)} unset): nothing was flushed"
+
+
+def _says_no_server(report: FlushReport) -> bool:
+    return not report.results and _NO_SERVER in (report.error or "")
+
+
+def _log_report_once_if_no_server(report: FlushReport) -> None:
+    """Log the report; one that says no server is configured, once per process (50 steps: one line)."""
+    if _says_no_server(report):
+        if _State.logged_no_server:
+            return
+        _State.logged_no_server = True
+    log_report(report)
+
+
+def _warn_if_no_server(args: Any, environ: Mapping[str, str] | None, hook: str) -> None:
+    """A hook installed with ids and no server: said once on stderr now (as ``abort`` says it)."""
+    with contextlib.suppress(FlushError):
+        urls, skipped = resolve_server_list(os.environ if environ is None else environ)
+        given = sum(map(len, split_instance_ids(args)))
+        if given and not urls and not skipped:
+            with contextlib.suppress(Warning):  # "-W error": installing still never raises for it
+                warnings.warn(f"{hook}: {given} instance id(s) in args {_NO_SERVER} ({' and '.join(URL_ENV_VARS)} "
+                              "unset): unless one is set by then, the hook will flush nothing", UserWarning,
+                              stacklevel=3)
 
 
 def _warn_no_server_once(ids: int, hook: bool) -> None:
@@ -232,9 +263,11 @@ def abort(args: Any, *, environ: Mapping[str, str] | None = None, **options: Unp
     Returns:
         The ``FlushReport``. No ids: an empty ok report, nothing sent. Ids but no server: nothing
         sent, and ``report.error`` says so (so ``ok`` is False; also said once per process with
-        ``warnings.warn``). A bad entry in the servers' list is skipped and named in
-        ``report.error`` (``ok`` False); the good servers are flushed. A configuration problem (a
-        bad option or environment value) is logged as one warning and returned in ``report.error``.
+        ``warnings.warn``, and logged once). An id that is not a str is a failed result naming
+        where it was (``session_server_instance_ids['8002'] is an int``); the others are flushed.
+        A bad entry in the servers' list is skipped and named in ``report.error`` (``ok`` False);
+        the good servers are flushed. A configuration problem (a bad option or environment value)
+        is logged as one warning and returned in ``report.error``.
 
     Raises:
         TypeError: a misspelt option (at the call, like any misspelt keyword).
@@ -251,7 +284,7 @@ def abort(args: Any, *, environ: Mapping[str, str] | None = None, **options: Unp
     else:
         report = _abort_report(args, environ, flush_options, hook=False)
     _State.flushed_on_signal = False  # the trainer goes on after a signal: its exit is not covered by that flush
-    log_report(report)
+    _log_report_once_if_no_server(report)
     warn_lost_watchdogs()
     return report
 
@@ -300,6 +333,10 @@ def _hook_flush(args: Any, environ: Mapping[str, str] | None, options: FlushOpti
 
 def _log_and_flush_stdio(report: FlushReport) -> None:
     log_report(report)
+    if _says_no_server(report) and not logging_set_up():  # the one line a hook says with no logging set up
+        with contextlib.suppress(Exception):
+            if sys.stderr is not None:
+                sys.stderr.write(f"swe_flush_sync: the signal or exit hook flushed nothing: {report.error}\n")
     for stream in (sys.stdout, sys.stderr):
         try:
             if stream is not None:
@@ -439,10 +476,12 @@ def flush_on_signal(args: Any, *, signals: Iterable[int] = (signal.SIGTERM,), en
         raise ConfigError("signals must name at least one signal")
     _prepare_hook(flush_options)
     try:
-        return SignalHook(args, signal_tuple, environ, flush_options)
+        hook = SignalHook(args, signal_tuple, environ, flush_options)
     except (ValueError, OSError) as exc:  # not a catchable signal (SIGKILL) or not a signal at all
         _standby.release()
         raise ConfigError(f"signals: cannot install a handler: {exc}") from None
+    _warn_if_no_server(args, environ, "flush_on_signal")
+    return hook
 
 
 class ExitHook:
@@ -516,4 +555,5 @@ def flush_at_exit(args: Any, *, environ: Mapping[str, str] | None = None,
     options.setdefault("until_idle", True)  # the trainer is ending: nothing queued may start after it
     flush_options = FlushOptions(**options, linger=0.0)  # nothing lingers past the exit
     _prepare_hook(flush_options)
+    _warn_if_no_server(args, environ, "flush_at_exit")
     return ExitHook(args, environ, flush_options)

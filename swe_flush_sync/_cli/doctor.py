@@ -65,8 +65,9 @@ def run_checks(urls: list[str] | None = None, guard: str | None = None, ledger: 
     servers = _servers(urls, env, checks)
     bearer = _bearer(env, checks)
     bearer_failed = checks[-1].status == "fail"  # a server's 401 then follows from it: said so, not advised again
+    sources = _bearer_sources(env)
     for url in servers:
-        checks.append(_server(url, bearer, tls, bearer_failed))
+        checks.append(_server(url, bearer, tls, bearer_failed, sources))
     guard_path = guard if guard is not None else (env.get(GUARD_ENV_VAR) or "").strip() or None
     guarded = _guard(guard_path, checks, "--guard" if guard is not None else GUARD_ENV_VAR)
     checks.append(_container(guarded))
@@ -102,18 +103,26 @@ def _bearer(env: Mapping[str, str], checks: list[Check]) -> Any:
     except ConfigError as exc:
         checks.append(Check("bearer", "fail", str(exc)))
         return None
-    source = next((name for name in (*SECRET_ENV_VARS, RUN_SECRET_ENV_VAR) if (env.get(name) or "").strip()), None)
+    sources = _bearer_sources(env)
+    source = sources[0] if sources else None
+    also = f" (it takes priority over {', '.join(sources[1:])}, also set)" if len(sources) > 1 else ""
     if provider is None:
         checks.append(Check("bearer", "warn", f"none set ({', '.join((*SECRET_ENV_VARS, RUN_SECRET_ENV_VAR))} "
                                               "unset): only a server without auth accepts /flush"))
     elif source == RUN_SECRET_ENV_VAR:
-        checks.append(Check("bearer", "ok", f"scoped: one bearer per instance, derived from {source}"))
+        checks.append(Check("bearer", "ok", f"scoped: one bearer per instance, derived from {source}{also}"))
     else:
-        checks.append(Check("bearer", "ok", f"static, from {source}"))
+        checks.append(Check("bearer", "ok", f"static, from {source}{also}"))
     return provider
 
 
-def _server(url: str, bearer: Any, tls: Mapping[str, Any], bearer_failed: bool = False) -> Check:
+def _bearer_sources(env: Mapping[str, str]) -> list[str]:
+    """The bearer variables set, the one in use (the first, by priority) first."""
+    return [name for name in (*SECRET_ENV_VARS, RUN_SECRET_ENV_VAR) if (env.get(name) or "").strip()]
+
+
+def _server(url: str, bearer: Any, tls: Mapping[str, Any], bearer_failed: bool = False,
+            sources: list[str] | None = None) -> Check:
     """One ``/flush`` of an id no trainer has: reachable, TLS, and the bearer, in one request."""
     name = f"server {redact_url(url)}"
     probe = f"swe-flush-doctor-{secrets.token_hex(8)}"  # the scoped bearers' id format
@@ -135,6 +144,11 @@ def _server(url: str, bearer: Any, tls: Mapping[str, Any], bearer_failed: bool =
         return Check(name, "fail", f"/flush answered {result.status_code} and no bearer is set: set "
                                    f"{SECRET_ENV_VARS[0]} to the server's secret (or {RUN_SECRET_ENV_VAR} for scoped "
                                    "bearers)")
+    if result.status_code in (401, 403) and sources and len(sources) > 1:
+        return Check(name, "fail", f"/flush answered {result.status_code}: the server refuses the bearer from "
+                                   f"{sources[0]}, which takes priority over {', '.join(sources[1:])} (also set): "
+                                   f"if {sources[1]} is the right one, unset {sources[0]}; else set {sources[0]} to "
+                                   "the server's secret")
     if result.status_code in (401, 403):
         return Check(name, "fail", f"/flush answered {result.status_code}: the server refuses the bearer; set the "
                                    f"one it expects ({SECRET_ENV_VARS[0]}, or {RUN_SECRET_ENV_VAR} for scoped "
@@ -142,6 +156,9 @@ def _server(url: str, bearer: Any, tls: Mapping[str, Any], bearer_failed: bool =
     if result.status_code == 404:
         return Check(name, "fail", "/flush answered 404: no such endpoint at this URL; check the host, port and "
                                    "path prefix")
+    if result.status_code is not None and 200 <= result.status_code < 300:
+        return Check(name, "fail", f"this URL does not look like an agent server: {result.error}; check the host, "
+                                   "port and path prefix")
     if result.status_code is not None:
         return Check(name, "fail", f"/flush answered {result.status_code}: {result.error or 'not 2xx'}; see the "
                                    "server's log for this request")

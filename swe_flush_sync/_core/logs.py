@@ -64,6 +64,16 @@ def urllib3_silenced() -> Iterator[None]:
             logger.disabled = disabled
 
 
+def logging_set_up() -> bool:
+    """Does a record of the library's logger reach a handler other than a ``NullHandler``?"""
+    logger: logging.Logger | None = log
+    while logger is not None:
+        if any(not isinstance(handler, logging.NullHandler) for handler in logger.handlers):
+            return True
+        logger = logger.parent if logger.propagate else None
+    return False
+
+
 def log_report(report: FlushReport) -> None:
     """One WARNING per (server, cause) with a count and a few ids, per-pair DEBUG, one INFO.
 

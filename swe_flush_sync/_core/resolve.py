@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 from urllib.parse import urlsplit
 
 from .auth import ScopedBearer, StaticBearer
@@ -48,20 +48,53 @@ def resolve_instance_ids(args: Any) -> tuple[str, ...]:
         # ('a', 'b')
         ```
     """
-    plural = _read_field(args, PLURAL_ATTR)
-    singular = _read_field(args, SINGULAR_ATTR)
+    ids, bad = split_instance_ids(args)
+    if bad:
+        raise ConfigError(f"{bad[0].field} holds an id of type {bad[0].kind} ({bad[0].value}); ids must be str")
+    return ids
+
+
+class BadId(NamedTuple):
+    """An id of ``args`` that is not a str: where it is (``field``, and its ``key`` in the plural map)."""
+
+    field: str
+    key: str | None  # the map's key (repr) or the iterable's index; None for the singular field
+    kind: str  # its type's name
+    value: str  # its repr, cut to 40 characters
+
+    def why(self) -> str:
+        where = self.field if self.key is None else f"{self.field}[{self.key}]"
+        article = "an" if self.kind[:1] in tuple("aeiou") else "a"
+        return f"{where} is {article} {self.kind} ({self.value}), not a str: not flushed"
+
+
+def split_instance_ids(args: Any) -> tuple[tuple[str, ...], tuple[BadId, ...]]:
+    """``resolve_instance_ids``, with each id that is not a str set aside instead of raised: the good
+    ids (deduplicated, first-seen order) and the bad ones, each naming where it was.
+
+    Raises:
+        ConfigError: neither name is present, reading one raised, or the plural value is not a
+            Mapping or iterable.
+    """
+    plural, singular = _read_field(args, PLURAL_ATTR), _read_field(args, SINGULAR_ATTR)
     if plural is _MISSING and singular is _MISSING:
-        raise ConfigError(
-            f"args has neither {PLURAL_ATTR!r} nor {SINGULAR_ATTR!r} "
-            f"(got {type(args).__name__})"
-        )
-    ids: dict[str, None] = {}
+        raise ConfigError(f"args has neither {PLURAL_ATTR!r} nor {SINGULAR_ATTR!r} (got {type(args).__name__})")
+    entries: list[tuple[str, str | None, Any]] = []
     if plural is not _MISSING and plural is not None:
-        for value in _iter_plural(plural):
-            _add_id(ids, value, PLURAL_ATTR)
+        keyed = list(plural.items()) if isinstance(plural, Mapping) else enumerate(_iter_plural(plural))
+        entries += [(PLURAL_ATTR, f"{key!r:.40}", value) for key, value in keyed]
     if singular is not _MISSING:
-        _add_id(ids, singular, SINGULAR_ATTR)
-    return tuple(ids)
+        entries.append((SINGULAR_ATTR, None, singular))
+    ids: dict[str, None] = {}
+    bad: list[BadId] = []
+    for field, key, value in entries:
+        if value is None or value == "":
+            continue
+        if isinstance(value, str):
+            ids[value] = None
+        else:
+            bad.append(BadId(field, key, type(value).__name__, f"{value!r:.40}"))
+    return tuple(ids), tuple(bad)
 
 
 def normalize_instance_ids(instance_ids: str | Iterable[str] | Mapping[Any, str]) -> tuple[str, ...]:

@@ -33,6 +33,7 @@ from .._version import __version__
 from .cancel import CancelToken
 from .failures import RETRY_STATUSES, TRANSPORT_ERRORS, describe_failure
 from .report import FlushResult
+from .text import shown
 from .tls import ssl_context, tls_failure
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 
 USER_AGENT: Final = f"swe-flush-sync/{__version__}"
 MAX_BODY_BYTES: Final = 64 * 1024
+ANSWER_EXCERPT: Final = 80  # characters of a 2xx body that is not the flush answer shown in its error
 _MIN_TIMEOUT: Final = 0.001
 _MIN_ATTEMPT: Final = 0.01  # seconds an attempt needs at least; less left: no more retries
 
@@ -247,9 +249,12 @@ class Transport:
             )
             status = response.status_code
             if 200 <= status < 300:
+                cancelled, not_an_answer = _read_answer(response, authorization)
+                if not_an_answer is not None:  # a 2xx from something else (a proxy's page): nothing was flushed
+                    return FlushResult(server_url, instance_id, ok=False, status_code=status, attempts=token.attempts,
+                                       elapsed=time.monotonic() - started, error=not_an_answer)
                 return FlushResult(server_url, instance_id, ok=True, status_code=status, passes=1,
-                                   cancelled=_read_cancelled(response), attempts=token.attempts,
-                                   elapsed=time.monotonic() - started)
+                                   cancelled=cancelled, attempts=token.attempts, elapsed=time.monotonic() - started)
             return FlushResult(server_url, instance_id, ok=False, status_code=status, attempts=token.attempts,
                                elapsed=time.monotonic() - started, error=describe_failure(token, response=response))
         except TRANSPORT_ERRORS as exc:
@@ -267,12 +272,26 @@ class Transport:
         self.session.close()
 
 
-def _read_cancelled(response: requests.Response) -> int | None:
-    """The ``cancelled`` count of a 2xx body, or None if the body does not give an int."""
+def _read_answer(response: requests.Response, authorization: str | None) -> tuple[int | None, str | None]:
+    """The ``cancelled`` count of a 2xx that is the flush's answer (a JSON object with an int
+    ``cancelled``); else None and what came back instead: the status, the content type and the body's
+    first characters, with the bearer masked."""
+    status, kind = response.status_code, response.raw.headers.get("Content-Type") or "none"
     try:  # a Content-Length body ends there: no read waits for EOF
         body = response.raw.read(MAX_BODY_BYTES + 1, decode_content=False)
-        data = json.loads(body.decode()) if len(body) <= MAX_BODY_BYTES else None
-    except (*TRANSPORT_ERRORS, ValueError):  # cut mid-way, not UTF-8 or not JSON: flushed all the same
-        return None
+    except TRANSPORT_ERRORS:
+        return None, f"HTTP {status}, but its body was cut off: not a whole flush answer"
+    data = None
+    if len(body) <= MAX_BODY_BYTES:
+        with contextlib.suppress(ValueError):  # not UTF-8 (a ValueError too) or not JSON
+            data = json.loads(body.decode())
     cancelled = data.get("cancelled") if isinstance(data, dict) else None
-    return cancelled if isinstance(cancelled, int) and not isinstance(cancelled, bool) else None
+    if isinstance(cancelled, int) and not isinstance(cancelled, bool):
+        return cancelled, None
+    text = body[:MAX_BODY_BYTES].decode("utf-8", "replace")
+    secret = (authorization or "").partition(" ")[2]
+    if secret:
+        text = text.replace(secret, "***")  # (masked before it is cut: no part of it shows)
+    excerpt = shown(" ".join(text.split()), ANSWER_EXCERPT)
+    return None, (f"HTTP {status} with content type {shown(kind, 60)} and no flush answer "
+                  f"({excerpt or 'an empty body'}): not an agent server's /flush (a proxy's page?)")

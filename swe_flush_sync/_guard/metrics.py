@@ -19,7 +19,8 @@ OUTCOMES: Final = ("ok", "partial", "failed")
 DROP_REASONS: Final = ("bad_message", "peer_limit", "other_uid")
 # Seconds from a death to the end of its flush: a teardown takes seconds, a server blip minutes.
 BUCKETS: Final = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0)
-MISSING: Final = "--metrics needs prometheus_client: pip install 'swe-flush-sync[metrics]'"
+MISSING: Final = ("--metrics needs prometheus_client: pip install prometheus_client (or the package's metrics "
+                  "extra: pip install '.[metrics]' in a checkout)")
 
 
 def parse_address(value: str) -> tuple[str, int]:

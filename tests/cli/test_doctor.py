@@ -9,7 +9,9 @@ import re
 import socket
 import subprocess
 import textwrap
+import threading
 from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -204,3 +206,52 @@ def test_the_python_check_follows_the_classifiers() -> None:
     declared = re.findall(r"Programming Language :: Python :: (3\.\d+)\n", (REPO / "setup.cfg").read_text())
     assert [f"3.{minor}" for _, minor in tested_pythons()] == declared  # one list: the package's metadata
     assert tested_pythons()[0] == (3, 10) and (3, 15) in tested_pythons()
+
+
+class _ProxyPage(BaseHTTPRequestHandler):
+    """A proxy's default page: 200, text/html, for any request."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        body = b"<html><body>Welcome to nginx!</body></html>"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def test_a_url_that_answers_200_with_a_page_is_no_agent_server(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """1.2.0 called a proxy's default page a flush: ok, exit 0. Now the CLI exits 1 and doctor says why."""
+    from swe_flush_sync._cli.main import main
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _ProxyPage)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    secret_file = tmp_path / "secret"
+    secret_file.write_text(SECRET)
+    try:
+        assert main(["--url", url, "--id", "a", "--secret-file", str(secret_file), "--json"]) == 1
+        [result] = json.loads(capsys.readouterr().out)["results"]
+        assert not result["ok"] and "text/html" in result["error"] and "Welcome to nginx" in result["error"]
+        code, checks, _ = doctor(AGENT_SERVER_URL=url, HARBOR_ADMIN_SECRET=SECRET)
+        assert code == 1 and server_check(checks)["status"] == "fail"
+        assert "does not look like an agent server" in server_check(checks)["detail"], checks
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_leftover_bearer_that_takes_priority_is_named_to_unset(stub_factory: Callable[..., AgentServerStub]) -> None:
+    """A right HARBOR_RUN_SECRET and a leftover HARBOR_ADMIN_SECRET: 1.2.0 said "set HARBOR_ADMIN_SECRET, or
+    HARBOR_RUN_SECRET"; the fix is to unset the one that takes priority."""
+    server = stub_factory(scoped_secret=MASTER)
+    code, checks, text = doctor(AGENT_SERVER_URL=server.url, HARBOR_RUN_SECRET=MASTER, HARBOR_ADMIN_SECRET="leftover")
+    assert code == 1 and "takes priority over HARBOR_RUN_SECRET" in checks["bearer"]["detail"]
+    detail = server_check(checks)["detail"]
+    assert "if HARBOR_RUN_SECRET is the right one, unset HARBOR_ADMIN_SECRET" in detail, detail
+    assert MASTER not in text and "leftover" not in text

@@ -7,7 +7,9 @@ import logging
 import signal
 import socket
 import subprocess
+import textwrap
 import time
+import warnings
 
 import pytest
 import requests
@@ -210,3 +212,34 @@ def test_stub_checks_scoped_bearers() -> None:
         assert report.ok and sorted(scoped.flushed_ids()) == ["a", "b"]
         static = flush(scoped.url, ["a"], admin_secret=master)
         assert static.results[0].status_code == 401
+
+
+def test_no_server_is_logged_once_per_process(caplog: pytest.LogCaptureFixture) -> None:
+    """1.2.0 logged a WARNING at every step besides the warning: 50 steps, 51 lines. Each report still says it."""
+    from swe_flush_sync import _hooks as hooks
+
+    hooks._State.logged_no_server = False
+    caplog.set_level(logging.WARNING, logger="swe_flush_sync")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reports = [abort({"session_server_instance_id": "a"}, environ={}) for _ in range(5)]
+    assert all(not report.ok and "no agent server configured" in (report.error or "") for report in reports)
+    assert len([r for r in caplog.records if "no agent server configured" in r.getMessage()]) == 1
+
+
+@pytest.mark.parametrize("hook", ["flush_on_signal", "flush_at_exit"])
+def test_a_hook_with_ids_and_no_server_says_so_at_install_and_when_it_fires(hook: str) -> None:
+    """1.2.0's hooks said nothing, at install or when they fired, unless the script set up logging."""
+    code = textwrap.dedent(f"""
+        import os, signal
+        from swe_flush_sync import {hook}
+        {hook}({{"session_server_instance_id": "a"}}, environ={{}})
+        print("INSTALLED", flush=True)
+        if "{hook}" == "flush_on_signal":
+            signal.raise_signal(signal.SIGTERM)
+    """)
+    out = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, env=subprocess_env(), timeout=60)
+    assert out.returncode == (-signal.SIGTERM if hook == "flush_on_signal" else 0), out
+    installed, _, fired = out.stderr.partition("swe_flush_sync: the signal or exit hook flushed nothing")
+    assert f"UserWarning: {hook}: 1 instance id(s) in args but no agent server configured" in installed, out.stderr
+    assert fired.count("\n") == 1 and "no agent server configured" in fired, out.stderr

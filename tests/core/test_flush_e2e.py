@@ -187,14 +187,14 @@ def test_abort_nothing_to_do(stub: AgentServerStub) -> None:
 def test_abort_never_raises_on_bad_config(stub: AgentServerStub, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="swe_flush_sync")
     report = abort({"session_server_instance_id": 5}, environ=env_for(stub))
-    assert not report.ok and "must be str" in (report.error or "")
+    assert not report.ok and "session_server_instance_id is an int (5), not a str" in (report.failed[0].error or "")
     report = abort({"session_server_instance_id": "a"}, environ={"AGENT_SERVER_URL": "http://u:pw@h:1"})
     assert "***@" in (report.error or "") and "pw" not in (report.error or "")
     report = abort({"session_server_instance_id": "a"}, environ=env_for(stub), deadline=-1)
     assert "deadline" in (report.error or "")
     report = abort({"session_server_instance_id": "a"}, environ=env_for(stub), max_workers=[1])  # type: ignore[arg-type]
     assert report.error == "max_workers must be an int, not list"
-    assert caplog.text.count("did not flush: ") == 4
+    assert caplog.text.count("did not flush: ") == 3 and caplog.text.count("not a str: not flushed") == 1
     assert stub.requests == []
 
 
@@ -309,3 +309,13 @@ def test_one_bearer_rule_in_every_entry_point(stub: AgentServerStub, entry: str,
     if entry in ("flush", "Flusher"):  # an argument wins over the environment
         wrong = flush(stub.url, ["wrong"], admin_secret="not-" + SECRET)
         assert not wrong.ok and wrong.results[0].status_code == 401
+
+
+def test_an_id_that_is_not_a_str_fails_alone(stub: AgentServerStub) -> None:
+    """1.2.0 raised for the call and flushed neither; recover already set bad ids aside."""
+    args = {"session_server_instance_ids": {"8001": "good-1", "8002": 12345}, "session_server_instance_id": "good-2"}
+    report = abort(args, environ={"AGENT_SERVER_URL": stub.url, "HARBOR_ADMIN_SECRET": SECRET})
+    assert sorted(stub.flushed_ids()) == ["good-1", "good-2"] and not report.ok
+    [bad] = report.failed
+    assert bad.instance_id == "12345" and bad.error == (
+        "session_server_instance_ids['8002'] is an int (12345), not a str: not flushed"), bad

@@ -106,10 +106,21 @@ def test_redirect_not_followed(status: int) -> None:
     [b"not json", b"[1, 2]", b'{"cancelled": "3"}', b'{"cancelled": true}', b"{}", b""],
 )
 @mocked.activate
-def test_2xx_with_odd_body_is_success_without_count(body: bytes) -> None:
-    mocked.post(FLUSH, body=body, status=200)
-    [result] = flush(URL, ["i1"]).results
-    assert result.ok and result.cancelled is None and result.error is None
+def test_a_2xx_that_is_not_the_flush_answer_fails_saying_what_came_back(body: bytes) -> None:
+    """A proxy's default page (200, text/html) is no flush: 1.2.0 said ok, and the CLI exited 0."""
+    mocked.post(FLUSH, body=body, status=200, content_type="text/html")
+    report = flush(URL, ["i1"])
+    [result] = report.results
+    assert not report.ok and not result.ok and result.status_code == 200 and result.cancelled is None
+    assert "HTTP 200 with content type text/html" in (result.error or "") and "no flush answer" in (result.error or "")
+    assert (body.decode() or "an empty body") in (result.error or ""), result.error
+
+
+@mocked.activate
+def test_a_2xx_body_that_echoes_the_bearer_is_shown_masked() -> None:
+    mocked.post(FLUSH, body=b"<pre>Authorization: Bearer s3cr3t-value</pre>", status=200)
+    [result] = flush(URL, ["i1"], admin_secret="s3cr3t-value").results
+    assert not result.ok and "s3cr3t" not in (result.error or "") and "Bearer ***" in (result.error or ""), result.error
 
 
 @mocked.activate

@@ -84,10 +84,10 @@ def test_the_round_cap_stops_a_server_that_never_goes_idle(slots: AgentServerStu
     assert result.ok and result.passes == 2 and result.cancelled == 16 and result.idle is False
 
 
-def test_a_server_that_does_not_count_gets_one_pass(stub: AgentServerStub) -> None:
-    stub.fault("a", body=b'{"session_server_instance_id": "a"}')  # no "cancelled"
+def test_an_answer_without_a_count_ends_the_pair_failed(stub: AgentServerStub) -> None:
+    stub.fault("a", body=b'{"session_server_instance_id": "a"}')  # no "cancelled": not the flush's answer
     [result] = flush(stub.url, ["a"], admin_secret=SECRET, until_idle=True).results
-    assert result.ok and result.passes == 1 and result.cancelled is None and result.idle is None
+    assert not result.ok and result.cancelled is None and "no flush answer" in (result.error or "")
     assert len(stub.requests) == 1
 
 

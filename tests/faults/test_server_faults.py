@@ -55,13 +55,15 @@ def test_refused(stub: AgentServerStub, promises: Promises) -> None:
     assert not refused.ok and refused.error == "could not connect: connection refused" and refused.attempts == 4
 
 
-def test_cut_body_on_2xx_is_flushed_without_count(stub: AgentServerStub, promises: Promises) -> None:
+def test_a_2xx_whose_body_is_cut_off_is_no_flush(stub: AgentServerStub, promises: Promises) -> None:
+    """A 2xx that is not the whole flush answer: nothing proves the server flushed (1.2.0 called it ok)."""
     with RawPeer("cut-body") as peer:
         promises.start()
         report = flush([peer.url, stub.url], ["a"], admin_secret=SECRET, deadline=DEADLINE)
     promises.check(report, DEADLINE)
     cut, fine = report.results
-    assert fine.ok and cut.ok and cut.status_code == 200 and cut.cancelled is None
+    assert fine.ok and not cut.ok and cut.status_code == 200 and cut.cancelled is None
+    assert "no flush answer" in (cut.error or "") or "cut off" in (cut.error or ""), cut.error
 
 
 def test_trickling_body_is_cut_at_the_deadline(stub: AgentServerStub, promises: Promises) -> None:
@@ -133,10 +135,11 @@ def test_client_errors(status: int, stub: AgentServerStub, promises: Promises) -
 
 
 @pytest.mark.parametrize("body", [b"<html>ok</html>", b'["cancelled", 3]', b'{"cancelled": "3"}'])
-def test_odd_2xx_bodies(body: bytes, stub: AgentServerStub, promises: Promises) -> None:
+def test_odd_2xx_bodies_are_no_flush(body: bytes, stub: AgentServerStub, promises: Promises) -> None:
     stub.fault("bad", body=body)
     result = flush_one(stub, promises)
-    assert (result.ok, result.status_code, result.cancelled) == (True, 200, None)
+    assert (result.ok, result.status_code, result.cancelled) == (False, 200, None)
+    assert body.decode() in (result.error or ""), result.error  # what came back, said
 
 
 def test_huge_body_is_not_read_into_memory(stub: AgentServerStub, promises: Promises) -> None:
@@ -147,7 +150,7 @@ def test_huge_body_is_not_read_into_memory(stub: AgentServerStub, promises: Prom
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert (result.ok, result.cancelled) == (True, None)
+    assert (result.ok, result.cancelled) == (False, None)
     assert peak < 3 * 1024 * 1024, peak
 
 
@@ -187,7 +190,7 @@ def test_sixteen_ids_mixed_faults_in_one_call(stub_factory, promises: Promises) 
     expected = {
         "ok-1": (True, 200, None), "ok-2": (True, 200, None), "ok-3": (True, 200, None),
         "ok-4": (True, 200, None), "503-twice": (True, 200, None), "429-1s": (True, 200, None),
-        "not-json": (True, 200, None), "huge": (True, 200, None),
+        "not-json": (False, 200, "no flush answer"), "huge": (False, 200, "no flush answer"),
         "hang": (False, None, "deadline passed"), "trickle": (False, None, "deadline passed"),
         "drop": (False, None, "connection dropped"), "503-forever": (False, 503, "HTTP 503"),
         "429-absurd": (False, 429, "Retry-After: 999999 reaches past the deadline"),
@@ -206,7 +209,7 @@ def test_sixteen_ids_mixed_faults_in_one_call(stub_factory, promises: Promises) 
         else:
             assert result.status_code == status and error in (result.error or ""), result
     assert elsewhere.requests == []
-    assert report.cancelled == 0 and len(report.failed) == 8
+    assert report.cancelled == 0 and len(report.failed) == 10
 
 
 def test_a_thousand_ids(stub: AgentServerStub, promises: Promises, caplog: pytest.LogCaptureFixture) -> None:
