@@ -145,11 +145,17 @@ class _Ledger:
                 return False
             return True
         if not gone:
-            self.listed[name] = "alive"
+            self.listed[name] = record.why_kept(self.here, now)
         return gone
 
     def wait_for_dying(self) -> None:
-        """Until no record's watchdog still has its moment (each record's deadline plus ``DYING_GRACE``)."""
+        """Until no record's watchdog still has its moment (each record's deadline plus ``DYING_GRACE``),
+        said first (a stopped watchdog's record makes recover wait all of it)."""
+        waiting = sorted(name for name, why in self.listed.items() if why == WATCHDOG_FLUSHING)
+        longest = max((self.dying[name] for name in waiting), default=time.monotonic()) - time.monotonic()
+        log.warning("recover: waiting up to %.1f s for the watchdog(s) of %d record(s) whose trainer died, flushing "
+                    "it now (%s); a record still there then is flushed here", max(longest, 0.0), len(waiting),
+                    ", ".join(shown(name) for name in waiting[:3]) + (", ..." if len(waiting) > 3 else ""))
         while any(why == WATCHDOG_FLUSHING for why in self.listed.values()):
             time.sleep(DYING_POLL)
             self.listed = {name: why for name, why in self.listed.items()

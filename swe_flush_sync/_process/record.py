@@ -20,6 +20,7 @@ from typing import Any, Final
 
 from .._core.errors import ConfigError
 from .._core.resolve import normalize_instance_ids, normalize_server_urls
+from .._core.text import shown
 from .liveness import LockFile, LockState, is_held, lock_state, record_lock
 from .ownership import Verdict, judge
 from .proc import Place, alive, process_start_time
@@ -174,6 +175,25 @@ class Record:
             if self.start_time is not None:
                 return not alive(self.pid, self.start_time)
         return self.stale(now)
+
+    def why_kept(self, here: Place, now: float) -> str:
+        """Why a record whose owner is not gone is left alone, in words for an operator."""
+        guard_lock, trainer_lock = self.locks()
+        if guard_lock is not None and is_held(guard_lock):
+            return f"its guard (pid {self.watchdog_pid}) is alive and keeps it"
+        if trainer_lock is not None and lock_state(trainer_lock) is LockState.HELD:
+            return f"its trainer (pid {self.pid}) holds its lock: alive"
+        if here.boot_id is not None and here.pid_ns is not None and self.place == here:
+            trainer = self.start_time is not None and alive(self.pid, self.start_time)
+            if alive(self.watchdog_pid, self.watchdog_start_time):
+                return f"its watchdog (pid {self.watchdog_pid}) is alive" + (
+                    f", and its trainer (pid {self.pid})" if trainer else "")
+            if trainer:
+                return f"its trainer (pid {self.pid}) is alive"
+        where = (f"on another host ({shown(self.place.host, 64)})" if self.place.host != here.host
+                 else "in another boot or PID namespace")
+        return (f"{where}: its heartbeat is {max(now - self.heartbeat, 0.0):.0f} s old, gone after "
+                f"{STALE_HEARTBEATS * self.heartbeat_interval:.0f} s")
 
     def trainer_alive(self, here: Place) -> bool | None:
         """Is the trainer's pid (with its start time) alive? None where it cannot be seen from ``here``."""

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import re
 import signal
 import subprocess
 import time
@@ -270,9 +272,11 @@ def test_cli_recover(stub: AgentServerStub, tmp_path: Path) -> None:
     assert usage.returncode == 2 and "Traceback" not in usage.stderr
 
 
-def test_recover_gives_a_running_watchdog_its_moment_and_then_flushes(stub: AgentServerStub, tmp_path: Path) -> None:
+def test_recover_gives_a_running_watchdog_its_moment_and_then_flushes(stub: AgentServerStub, tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
     """1.1: a trainer and its watchdog SIGKILLed, recover() at once flushed 0/0 and said ok in 6 of 15 calls: the
-    killed watchdog had not died yet (state R) and its record was left to it."""
+    killed watchdog had not died yet (state R) and its record was left to it. 1.2.0 waited without a word."""
+    caplog.set_level(logging.WARNING, logger="swe_flush_sync")
     trainer = Trainer(stub, f"""
         armed(watchdog(args, ledger={str(tmp_path)!r}, deadline=1, until_idle=False))
         time.sleep(60)
@@ -290,6 +294,9 @@ def test_recover_gives_a_running_watchdog_its_moment_and_then_flushes(stub: Agen
         os.kill(keeper, signal.SIGKILL)
     assert report.ok and sorted(stub.flushed_ids()) == sorted(IDS) and records(tmp_path) == [], report.summary()
     assert waited >= 1.0  # its deadline (1 s) went to the watchdog first
+    [said] = [r.getMessage() for r in caplog.records if "waiting" in r.getMessage()]
+    assert re.match(r"recover: waiting up to [12]\.\d s for the watchdog\(s\) of 1 record\(s\) whose trainer died",
+                    said), said
     assert wait_until(lambda: gone(keeper), 5.0)
 
 
@@ -301,7 +308,8 @@ def test_recover_lists_the_records_it_left_alone_and_live_ones_are_no_error(stub
     out = subprocess.run([PYTHON, "-m", "swe_flush_sync", "recover", str(tmp_path), "--url", stub.url],
                          capture_output=True, text=True, timeout=60, env=subprocess_env(**ENV))
     assert out.returncode == 0, out
-    assert "left 1 record(s) alone: live-elsewhere.json: alive" in out.stdout and out.stderr == ""
+    said = f"left 1 record(s) alone: live-elsewhere.json: its trainer (pid {os.getpid()}) is alive"
+    assert said in out.stdout and out.stderr == "", out.stdout
     dead = spawn([PYTHON, "-c", "pass"])
     dead.wait()
     write_record(tmp_path, "gone-elsewhere", ["lost"], "http://server-b:8000", heartbeat_age=0, pid=dead.pid,
@@ -310,4 +318,7 @@ def test_recover_lists_the_records_it_left_alone_and_live_ones_are_no_error(stub
     assert not report.ok and stub.requests == []  # a gone owner's record nobody here may flush: an error
     assert sorted(report.left_alone) == [
         "gone-elsewhere.json: its trainer is gone, but it names a server not given (http://server-b:8000)",
-        "live-elsewhere.json: alive"]
+        f"live-elsewhere.json: its trainer (pid {os.getpid()}) is alive"]
+    write_record(tmp_path, "other-host", ["far"], stub.url, heartbeat_age=0)  # 1.2.0 said "alive" of each
+    assert "other-host.json: on another host (elsewhere): its heartbeat is 0 s old, gone after 30 s" in \
+        recover(str(tmp_path), servers=stub.url, environ=ENV).left_alone
