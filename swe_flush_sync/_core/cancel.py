@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import threading
 import time
 
 from urllib3.connection import HTTPConnection
@@ -27,7 +28,8 @@ class CancelToken:
         self.attempts = 0  # counted in one place: set to 1 on send, +1 per retry (``_DeadlineRetry``)
         self.stop_reason: str | None = None  # why retrying stopped early
         self.next_wait = 0.0
-        self.handed = False  # handed to a worker: only then may another call join it (see ``Flusher``)
+        self.handed = False  # handed to a worker: only then may a signal handler in ``claimer`` join it
+        self.claimer = threading.get_ident()  # the thread whose call claimed the pair (see ``Flusher``)
         # Connections (their socket changes on reconnect) and sockets in a TLS handshake (no connection holds
         # them yet: the wrap detaches the socket the connection had).
         self._holders: list[HTTPConnection | socket.socket] = []

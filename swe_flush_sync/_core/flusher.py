@@ -14,9 +14,9 @@ Signal safety: a signal handler may flush while the thread it interrupted is ins
 same Flusher. No lock lies on the way to the workers (see ``threads``): the in-flight map is kept
 with single ``dict`` operations (``setdefault`` claims a pair, ``pop`` forgets one), each atomic, so
 an interrupted call never leaves it half changed; a call waits for answers on its own
-``SimpleQueue``. A request is joined only once it is handed to a worker: a handler never waits on
-one that the call it interrupted claimed and has yet to hand over. What this gives up: two calls
-that find a pair's old request finished at the very same moment may both send it (a ``pop`` and a
+``SimpleQueue``. A signal handler never waits on a request that the call it interrupted claimed and
+has yet to hand to a worker (another thread's, it joins). What this gives up: two calls that find a
+pair's old request finished at the very same moment may both send it (a ``pop`` and a
 ``setdefault`` apart), and so may a handler and the call it interrupted.
 """
 
@@ -27,6 +27,7 @@ import functools
 import itertools
 import os
 import queue
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -497,10 +498,11 @@ def _reported(call: _Call) -> int:
 
 
 def _joinable(pending: _Pending) -> bool:
-    """May another call wait on this request? Once it is handed to a worker, or answered: a call that
-    claimed a pair and was interrupted before handing it over (a signal handler flushing the same
-    pair, whose wait the interrupted call cannot end) is not waited on."""
-    return pending.token.handed or pending.future.done()
+    """May this call wait on that request? Yes, unless this thread's own call claimed it and has not
+    handed it to a worker yet: then this is a signal handler that interrupted that call, which cannot
+    go on to hand it over while the handler waits. (Another thread's call hands it over in a moment.)"""
+    token = pending.token
+    return token.handed or token.claimer != threading.get_ident() or pending.future.done()
 
 
 def _give_up(pending: _Pending, reason: str) -> None:

@@ -45,10 +45,11 @@ def _record(lock: LockFile, **changes: object) -> Record:
 
 
 def _dead_pid() -> tuple[int, int]:
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    started = process_start_time(child.pid)
+    """A pid that was a process with the start time returned, and is dead (reaped)."""
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    started = process_start_time(child.pid)  # while it waits for its stdin's end: alive, whatever the load
+    child.communicate(timeout=60)
     assert started is not None
-    child.wait()
     return child.pid, started
 
 
