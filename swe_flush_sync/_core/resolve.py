@@ -79,21 +79,26 @@ def split_instance_ids(args: Any) -> tuple[tuple[str, ...], tuple[BadId, ...]]:
     plural, singular = _read_field(args, PLURAL_ATTR), _read_field(args, SINGULAR_ATTR)
     if plural is _MISSING and singular is _MISSING:
         raise ConfigError(f"args has neither {PLURAL_ATTR!r} nor {SINGULAR_ATTR!r} (got {type(args).__name__})")
-    entries: list[tuple[str, str | None, Any]] = []
-    if plural is not _MISSING and plural is not None:
-        keyed = list(plural.items()) if isinstance(plural, Mapping) else enumerate(_iter_plural(plural))
-        entries += [(PLURAL_ATTR, f"{key!r:.40}", value) for key, value in keyed]
-    if singular is not _MISSING:
-        entries.append((SINGULAR_ATTR, None, singular))
     ids: dict[str, None] = {}
     bad: list[BadId] = []
-    for field, key, value in entries:
-        if value is None or value == "":
-            continue
-        if isinstance(value, str):
-            ids[value] = None
+    if plural is not _MISSING and plural is not None:
+        values = _iter_plural(plural)
+        for value in values:  # no object made per id: a trainer may hand thousands over every step
+            if isinstance(value, str):
+                if value:
+                    ids[value] = None
+            elif value is not None:
+                bad.append(BadId(PLURAL_ATTR, None, type(value).__name__, f"{value!r:.40}"))
+        if bad:  # (rare) where each one was: its key in the map, or its index
+            keys = list(plural) if isinstance(plural, Mapping) else range(len(values))
+            bad = [BadId(PLURAL_ATTR, f"{key!r:.40}", type(value).__name__, f"{value!r:.40}")
+                   for key, value in zip(keys, values, strict=False)
+                   if not isinstance(value, str) and value is not None]
+    if singular is not _MISSING and singular is not None and singular != "":
+        if isinstance(singular, str):
+            ids[singular] = None
         else:
-            bad.append(BadId(field, key, type(value).__name__, f"{value!r:.40}"))
+            bad.append(BadId(SINGULAR_ATTR, None, type(singular).__name__, f"{singular!r:.40}"))
     return tuple(ids), tuple(bad)
 
 
@@ -116,7 +121,7 @@ def _read_field(args: Any, name: str) -> Any:
         raise ConfigError(f"reading {name!r} from args raised {type(exc).__name__}") from None
 
 
-def _iter_plural(value: Any, name: str = PLURAL_ATTR) -> Iterable[Any]:
+def _iter_plural(value: Any, name: str = PLURAL_ATTR) -> list[Any]:
     if isinstance(value, Mapping):
         return list(value.values())
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):

@@ -42,7 +42,7 @@ from typing import Any, Final, NamedTuple
 from .._core.options import FlushOptions, RecoverOptionKwargs
 from .._core.resolve import normalize_instance_ids, normalize_server_urls
 from .._core.text import shown
-from .._process.liveness import LockFile, LockFolder, lock_folder_path
+from .._process.liveness import DISARMED_MARK, LockFile, LockFolder, lock_folder_path
 from .._process.proc import process_start_time
 from .._process.record import DEFAULT_HEARTBEAT
 from .._process.trust import directory_problem
@@ -644,8 +644,23 @@ class Guard:
                             f"dropped the connection of {channel.who}: it sent {channel.error}")
             if self.metrics is not None:
                 self.metrics.dropped.labels("bad_message").inc()
+        if channel.disarmed and channel.lock is not None:  # said in the lock too, at once: a guard killed before
+            self.locks.folder.mark(channel.lock, DISARMED_MARK)  # the record goes leaves no death to flush
+        if channel.keeper is not None and self._records is not None:  # the record goes first, its lock file after
+            self.budget.release(channel)
+            self._records.submit(channel, functools.partial(self._remove_record_then_lock, channel))
+            return
         channel.settle(None)
         self._settled(channel)
+
+    def _remove_record_then_lock(self, channel: Channel) -> None:
+        """On the ledger thread: a settled trainer's record removed, then its lock file (never the other
+        way round: a record whose lock file is gone is judged by pids, and this trainer's are dead)."""
+        assert channel.keeper is not None
+        try:
+            channel.keeper.remove()
+        finally:
+            self.locks.release(channel)
 
     def _woken(self) -> None:
         with contextlib.suppress(OSError):

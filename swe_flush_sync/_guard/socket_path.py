@@ -36,13 +36,15 @@ from .._watchdog.guard_client import ImpostorError, connect_to_guard
 PATH_CHECK: Final = 2.0  # seconds between two checks that the socket path is still the guard's
 PAUSE: Final = 0.1  # seconds accepting pauses at EMFILE or when every peer holds a trainer
 ACCEPT_BATCH: Final = 64  # connections accepted in one turn of the loop, then the others get theirs
-LOCK_TRIES: Final = 100  # tries at the path's lock, 10 ms apart, before another guard is said to serve it
+LOCK_TRIES: Final = 500  # tries at the path's lock, 10 ms apart, before another guard is said to serve it: a
+# guard told to drain lets it go at once, but a loaded host (or a volume that stalls its threads) can take seconds
 INHERIT_TIMEOUT: Final = 2.0  # seconds a successor waits for a draining guard to pass its listening socket
 
 
 def _lock_soon(fd: int) -> None:
-    """``flock(LOCK_EX)`` on ``fd``, tried for up to ``LOCK_TRIES`` x 10 ms: a draining guard's look at
-    whether its successor lives holds a shared lock for a moment (``BlockingIOError`` after that)."""
+    """``flock(LOCK_EX)`` on ``fd``, tried for up to ``LOCK_TRIES`` x 10 ms: the guard told to drain lets it
+    go as its loop wakes, and its look at whether its successor lives holds a shared lock for a moment
+    (``BlockingIOError`` after that)."""
     for _ in range(LOCK_TRIES - 1):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

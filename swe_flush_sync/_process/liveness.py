@@ -121,6 +121,20 @@ class LockFolder:
             return LockState.UNKNOWN
         return _state_in(self._fd, name, lock.inode)
 
+    def mark(self, lock: LockFile, mark: bytes) -> None:
+        """Write ``mark`` into a lock file of this folder, if it is still the one ``lock`` names (a trainer
+        that disarmed before it read the lock's descriptor could not mark it itself); never raises."""
+        folder, name = os.path.split(lock.path)
+        if self._fd is None or folder != self.path:
+            return
+        with contextlib.suppress(OSError):
+            fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._fd)
+            try:
+                if _inode(os.fstat(fd)) == lock.inode:
+                    os.pwrite(fd, mark, 0)
+            finally:
+                os.close(fd)
+
     def remove(self, lock: LockFile) -> None:
         """Remove a lock file of this folder, if it is still the one ``lock`` names; never raises."""
         folder, name = os.path.split(lock.path)

@@ -293,9 +293,9 @@ class Link:
         self._control = self._ready = None
         self._outbox.clear()
         self._cut = False
-        for passed in self._passed:  # never named by a word: not a lock (the lock itself outlives the ends)
-            passed.close()
-        self._passed.clear()
+        for passed in self._passed:  # a guard's lock whose word was not read yet: the newest lock held (the
+            self.locks.take(passed)  # guard may have named it in a record), marked when a disarm or a newer
+        self._passed.clear()  # guard's record lets it go; closed unmarked, a successor took the trainer for dead
 
     def release_lock(self) -> None:
         """A disarm: the locks guards passed are marked ``disarmed`` and let go (no guard need prove

@@ -600,3 +600,54 @@ def test_garbage_peers_make_at_most_a_line_a_minute_of_each_kind(start_guard: St
     assert guard.proc.wait(10) == 0
     said = guard.stderr().splitlines()
     assert sent[0] > 1000 and len(said) <= 60, (sent[0], len(said), said[:10])
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace (apt-get install strace)")
+def test_a_disarm_is_kept_when_the_guard_dies_before_removing_the_record(short_dir: Path) -> None:
+    """A trainer disarms before it read its lock's descriptor (it could not mark the lock), and the guard is
+    SIGKILLed while the record's removal waits behind a slow ledger (each fsync 1 s). 1.2.0 and 1.3's first
+    cut removed the lock file at once, on another thread: the next guard found a record naming no lock and
+    dead pids, and flushed the disarmed trainer (found by the model test)."""
+    ledger, path = short_dir / "ledger", str(short_dir / "guard.sock")
+    with AgentServerStub() as stub:
+        traced = spawn(["strace", "-f", "--seccomp-bpf", "-qq", "-o", "/dev/null", "-e", "trace=fsync", "-e",
+                        "inject=fsync:delay_enter=1000000", PYTHON, "-m", "swe_flush_sync", "guard", "--socket", path,
+                        "--ledger", str(ledger), "--heartbeat", "0.5"], stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, env=subprocess_env(AGENT_SERVER_URL=stub.url), start_new_session=True)
+        line = read_until(traced, lambda text: text.startswith("guarding"), [])
+        assert line is not None
+        guard_pid = int(line.rsplit(" ", 1)[1].rstrip(")"))
+        peers: list[tuple[socket.socket, int]] = []
+        successor = None
+        try:
+            peer, lock_fd = _armed_peer(path, stub.url, 1)
+            assert wait_until(lambda: len(records(ledger)) == 1, 20.0)
+            [record] = records(ledger)
+            lock_path = json.loads(record.read_text())["trainer_lock"]
+            peers += [_armed_peer(path, stub.url, number) for number in range(2, 5)]  # their writes come first
+            os.close(lock_fd)  # never marked: as a trainer that had not read the descriptor
+            peer.sendall(b'{"disarm": true}\n')
+            peer.close()
+            assert wait_until(lambda: not os.path.exists(lock_path) or Path(lock_path).read_bytes().startswith(
+                b"disarmed"), 10.0)
+            os.kill(guard_pid, signal.SIGKILL)
+            assert wait_until(lambda: gone(guard_pid), 10.0)
+            if not record.exists():
+                pytest.skip("the record was removed before the guard was killed: nothing to prove")
+            successor = spawn([PYTHON, "-m", "swe_flush_sync", "guard", "--socket", path, "--ledger", str(ledger)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=subprocess_env(AGENT_SERVER_URL=stub.url, HARBOR_ADMIN_SECRET=SECRET),
+                              start_new_session=True)
+            assert read_until(successor, lambda text: text.startswith("guarding"), []) is not None
+            assert wait_until(lambda: not record.exists(), 10.0)  # its recovery pass removed it: disarmed
+            assert stays(lambda: "id-1" not in stub.flushed_ids(), 7.0), stub.flushed_ids()  # past the 5 s grace
+        finally:
+            for other, fd in peers:
+                os.close(fd)
+                other.close()
+            if not gone(guard_pid):
+                os.kill(guard_pid, signal.SIGKILL)
+            traced.communicate(timeout=10)
+            if successor is not None:
+                successor.kill()
+                successor.communicate(timeout=10)

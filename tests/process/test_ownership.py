@@ -168,3 +168,25 @@ def test_a_guard_that_never_says_recorded_costs_a_bounded_number_of_locks(folder
         with link_module.LOCK:
             link.close()
         link.release_lock()
+
+
+def test_a_lock_whose_word_was_not_read_is_held_and_marked_at_a_disarm(folder: LockFolder) -> None:
+    """The guard passed a lock (and named it in its record), and the link closed before its word was read:
+    the trainer disarmed, as it does, with the link closed. Found by the model test: the unread lock was
+    closed unmarked, and the next guard's recovery pass flushed the disarmed trainer."""
+    guard, link = _guard_side()
+    fd, lock = folder.create("trainer-")
+    try:
+        send_with_fd(guard.fileno(), LOCK_WORD[:2], fd)  # the descriptor, and only part of its word
+        os.close(fd)
+        _heard(link)
+        assert link._passed and lock_state(lock) is LockState.HELD
+        with link_module.LOCK:
+            link.close()
+        assert lock_state(lock) is LockState.HELD  # held as the newest lock: this trainer may be on record by it
+        link.release_lock()  # the disarm
+        assert lock_state(lock) is LockState.DISARMED
+    finally:
+        guard.close()
+        with link_module.LOCK:
+            link.close()
