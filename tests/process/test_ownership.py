@@ -3,6 +3,7 @@ lets a lock go, and the trainer keeping its old lock until the new guard says th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import socket
@@ -109,15 +110,21 @@ def test_recover_removes_a_disarmed_trainers_record_and_flushes_nothing(folder: 
     assert os.listdir(ledger) == [] and not os.path.exists(lock.path)
 
 
-def _guard_side() -> tuple[socket.socket, Link]:
-    """A link whose far end is a socket this test writes as a guard would."""
+@contextlib.contextmanager
+def _guard_side() -> Iterator[tuple[socket.socket, Link]]:
+    """A link whose far end is a socket this test writes as a guard would; both closed after."""
     guard, trainer = socket.socketpair()
     link = Link(lambda word, rest: None)
     end = Fd(trainer.detach())
     os.set_blocking(end.fd, False)
     with link_module.LOCK:
         link.take_ends(end, end, passes_fds=True)
-    return guard, link
+    try:
+        yield guard, link
+    finally:
+        guard.close()
+        with link_module.LOCK:
+            link.close()
 
 
 def _heard(link: Link) -> None:
@@ -128,8 +135,7 @@ def _heard(link: Link) -> None:
 def test_the_trainer_keeps_its_old_lock_until_the_new_one_is_on_record(folder: LockFolder) -> None:
     """1.2.0 closed the old guard's lock as the new one arrived, while the record still named the old one:
     a recover then flushed the live trainer."""
-    guard, link = _guard_side()
-    try:
+    with _guard_side() as (guard, link):
         fd_a, lock_a = folder.create("trainer-")
         send_with_fd(guard.fileno(), LOCK_WORD + b"\n", fd_a)
         os.close(fd_a)
@@ -145,16 +151,11 @@ def test_the_trainer_keeps_its_old_lock_until_the_new_one_is_on_record(folder: L
         assert lock_state(lock_a) is LockState.HANDED and lock_state(lock_b) is LockState.HELD
         link.release_lock()  # a disarm
         assert lock_state(lock_b) is LockState.DISARMED
-    finally:
-        guard.close()
-        with link_module.LOCK:
-            link.close()
 
 
 def test_a_guard_that_never_says_recorded_costs_a_bounded_number_of_locks(folder: LockFolder) -> None:
-    guard, link = _guard_side()
     locks = []
-    try:
+    with _guard_side() as (guard, link):
         for _ in range(MAX_PREVIOUS_LOCKS + 3):
             fd, lock = folder.create("trainer-")
             send_with_fd(guard.fileno(), LOCK_WORD + b"\n", fd)
@@ -163,20 +164,15 @@ def test_a_guard_that_never_says_recorded_costs_a_bounded_number_of_locks(folder
             _heard(link)
         states = [lock_state(lock) for lock in locks]
         assert states == [LockState.HANDED] * 2 + [LockState.HELD] * (MAX_PREVIOUS_LOCKS + 1)
-    finally:
-        guard.close()
-        with link_module.LOCK:
-            link.close()
-        link.release_lock()
+    link.release_lock()
 
 
 def test_a_lock_whose_word_was_not_read_is_held_and_marked_at_a_disarm(folder: LockFolder) -> None:
     """The guard passed a lock (and named it in its record), and the link closed before its word was read:
     the trainer disarmed, as it does, with the link closed. Found by the model test: the unread lock was
     closed unmarked, and the next guard's recovery pass flushed the disarmed trainer."""
-    guard, link = _guard_side()
     fd, lock = folder.create("trainer-")
-    try:
+    with _guard_side() as (guard, link):
         send_with_fd(guard.fileno(), LOCK_WORD[:2], fd)  # the descriptor, and only part of its word
         os.close(fd)
         _heard(link)
@@ -186,7 +182,3 @@ def test_a_lock_whose_word_was_not_read_is_held_and_marked_at_a_disarm(folder: L
         assert lock_state(lock) is LockState.HELD  # held as the newest lock: this trainer may be on record by it
         link.release_lock()  # the disarm
         assert lock_state(lock) is LockState.DISARMED
-    finally:
-        guard.close()
-        with link_module.LOCK:
-            link.close()
