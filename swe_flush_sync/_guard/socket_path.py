@@ -36,8 +36,7 @@ from .._watchdog.guard_client import ImpostorError, connect_to_guard
 PATH_CHECK: Final = 2.0  # seconds between two checks that the socket path is still the guard's
 PAUSE: Final = 0.1  # seconds accepting pauses at EMFILE or when every peer holds a trainer
 ACCEPT_BATCH: Final = 64  # connections accepted in one turn of the loop, then the others get theirs
-LOCK_TRIES: Final = 500  # tries at the path's lock, 10 ms apart, before another guard is said to serve it: a
-# guard told to drain lets it go at once, but a loaded host (or a volume that stalls its threads) can take seconds
+LOCK_TRIES: Final = 100  # tries at the path's lock, 10 ms apart, before another guard is said to serve it
 INHERIT_TIMEOUT: Final = 2.0  # seconds a successor waits for a draining guard to pass its listening socket
 
 
