@@ -27,7 +27,8 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Final
 
 from ._core.errors import ConfigError, FlushError
-from ._core.flusher import Flusher, abandon_all_in_flight
+from ._core.flusher import Flusher
+from ._core.live import abandon_all_in_flight
 from ._core.logs import WORKER_THREAD_PREFIX, log_report, logging_set_up, urllib3_silenced
 from ._core.options import DEFAULT_DEADLINE, FlushOptions
 from ._core.outcome import Outcome

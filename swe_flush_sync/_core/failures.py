@@ -25,6 +25,7 @@ from urllib3.exceptions import (
 from urllib3.exceptions import HTTPError as Urllib3HTTPError
 from urllib3.exceptions import SSLError as Urllib3SSLError
 
+from .text import shown
 from .tls import tls_failure
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 
 RETRY_STATUSES: Final = frozenset({429, 500, 502, 503, 504})
 UNREACHABLE: Final = "could not connect"  # how a failure to connect to the server's port begins
+ANSWER_EXCERPT: Final = 80  # characters of a 2xx body that is not the flush answer shown in its error
 # What sending or reading a request can raise; anything else is a bug and propagates.
 TRANSPORT_ERRORS: Final = (requests.RequestException, Urllib3HTTPError, http.client.HTTPException, OSError)
 _STATUS_HINTS: Final = {401: "unauthorized: wrong or missing bearer secret", 403: "forbidden",
@@ -71,6 +73,18 @@ _EXCEPTION_MESSAGES: Final = (  # the first class that matches, after NewConnect
      "connection dropped by the server"),
     (ResponseError, "too many error responses"),
 )
+
+
+def not_an_answer(status: int, content_type: str, body: bytes, authorization: str | None) -> str:
+    """What a 2xx that is not the flush's answer brought: its status, content type and the body's first
+    characters, with the bearer masked (before the body is cut: no part of it shows)."""
+    text = body.decode("utf-8", "replace")
+    secret = (authorization or "").partition(" ")[2]
+    if secret:
+        text = text.replace(secret, "***")
+    excerpt = shown(" ".join(text.split()), ANSWER_EXCERPT)
+    return (f"HTTP {status} with content type {shown(content_type, 60)} and no flush answer "
+            f"({excerpt or 'an empty body'}): not an agent server's /flush (a proxy's page?)")
 
 
 def unreachable(error: str | None) -> bool:

@@ -24,16 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
-import os
 import queue
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
+from . import live
 from .auth import check_token
 from .cancel import CancelToken
 from .errors import ConfigError, FlushError
@@ -160,8 +158,7 @@ class Flusher:
         self._transport: Transport | None = None
         self._workers = Workers(WORKER_THREAD_PREFIX, options.workers)
         self._closed = False
-        self._live_key = next(_live_keys)
-        _live[self._live_key] = weakref.ref(self, functools.partial(_forget_live, self._live_key))
+        self._live_key = live.register(self)
 
     @property
     def server_urls(self) -> tuple[str, ...]:
@@ -464,7 +461,7 @@ class Flusher:
         self._workers.stop()
         self.abandon_in_flight("the Flusher was closed")
         self._inflight.clear()
-        _live.pop(self._live_key, None)
+        live.unregister(self._live_key)
         if transport is not None:
             transport.close()
 
@@ -547,22 +544,6 @@ def flush(server_urls: str | Sequence[str], instance_ids: str | Iterable[str] | 
         return flusher.flush(instance_ids)
 
 
-# The live Flushers, for the hooks and forks: one ``dict`` operation at a time, and walked over a
-# snapshot (``list(_live.values())``, one C call), so that a signal handler that makes a Flusher while
-# a hook walks them changes nothing under its feet (a ``WeakSet`` walked in Python raised "Set changed
-# size during iteration" and the hook flushed nothing).
-_live: dict[int, weakref.ref[Flusher]] = {}
-_live_keys = itertools.count()
-
-
-def _forget_live(key: int, _: object) -> None:
-    _live.pop(key, None)
-
-
-def _live_flushers() -> list[Flusher]:
-    return [flusher for ref in list(_live.values()) if (flusher := ref()) is not None]
-
-
 class _measured:
     """What this host was last measured to take, in CPU seconds of the calling thread: a result made
     for an unsent pair, the report of a pair sent."""
@@ -573,17 +554,3 @@ class _measured:
     @staticmethod
     def weigh(before: float | None, measured: float) -> float:
         return measured if before is None else before + MEASURE_WEIGHT * (measured - before)
-
-
-def abandon_all_in_flight(reason: str = "given up at interpreter exit") -> None:
-    """Give up every request of every live Flusher (interpreter shutdown, signal handlers)."""
-    for flusher in _live_flushers():
-        flusher.abandon_in_flight(reason)
-
-
-def _after_fork_in_child() -> None:
-    for flusher in _live_flushers():
-        flusher._forget_after_fork()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

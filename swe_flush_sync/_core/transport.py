@@ -31,9 +31,8 @@ from urllib3.util.timeout import Timeout
 
 from .._version import __version__
 from .cancel import CancelToken
-from .failures import RETRY_STATUSES, TRANSPORT_ERRORS, describe_failure
+from .failures import RETRY_STATUSES, TRANSPORT_ERRORS, describe_failure, not_an_answer
 from .report import FlushResult
-from .text import shown
 from .tls import ssl_context, tls_failure
 
 if TYPE_CHECKING:
@@ -45,7 +44,6 @@ if TYPE_CHECKING:
 
 USER_AGENT: Final = f"swe-flush-sync/{__version__}"
 MAX_BODY_BYTES: Final = 64 * 1024
-ANSWER_EXCERPT: Final = 80  # characters of a 2xx body that is not the flush answer shown in its error
 _MIN_TIMEOUT: Final = 0.001
 _MIN_ATTEMPT: Final = 0.01  # seconds an attempt needs at least; less left: no more retries
 
@@ -288,10 +286,4 @@ def _read_answer(response: requests.Response, authorization: str | None) -> tupl
     cancelled = data.get("cancelled") if isinstance(data, dict) else None
     if isinstance(cancelled, int) and not isinstance(cancelled, bool):
         return cancelled, None
-    text = body[:MAX_BODY_BYTES].decode("utf-8", "replace")
-    secret = (authorization or "").partition(" ")[2]
-    if secret:
-        text = text.replace(secret, "***")  # (masked before it is cut: no part of it shows)
-    excerpt = shown(" ".join(text.split()), ANSWER_EXCERPT)
-    return None, (f"HTTP {status} with content type {shown(kind, 60)} and no flush answer "
-                  f"({excerpt or 'an empty body'}): not an agent server's /flush (a proxy's page?)")
+    return None, not_an_answer(status, kind, body[:MAX_BODY_BYTES], authorization)
