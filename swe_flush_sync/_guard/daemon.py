@@ -52,8 +52,9 @@ from .._watchdog.guard_client import PEERCRED, connect_to_guard
 from .flushes import TAKEOVER_GRACE, DeathFlushes, LedgerRecovery
 from .metrics import GuardMetrics
 from .parser import ParserProcess
+from .path_lock import GuardError
 from .pool import DEFAULT_FLUSH_WORKERS
-from .socket_path import PATH_CHECK, PAUSE, GuardError, SocketPath
+from .socket_path import PATH_CHECK, PAUSE, SocketPath
 
 __all__ = ["DEFAULT_DRAIN", "DEFAULT_MAX_HELD", "TAKEOVER_GRACE", "Guard", "GuardError", "guard_status", "run_guard"]
 

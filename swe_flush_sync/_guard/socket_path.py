@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import os
 import secrets
+import select
 import socket
 import stat
 import time
@@ -27,34 +27,15 @@ from collections.abc import Callable, Iterator
 from typing import Final
 
 from .._core.text import shown
-from .._process.liveness import UNSUPPORTED
-from .._process.trust import ownership_problem
 from .._process.watch_loop import WatchLoop
-from .._process.wire import LISTENER, MAX_SOCKET_PATH, send_with_fd
+from .._process.wire import LISTENER, MAX_SOCKET_PATH, receive_with_fds, send_with_fd
 from .._watchdog.guard_client import ImpostorError, connect_to_guard
+from .path_lock import GuardError, check_folder, lock_taken_by_another, take_lock
 
 PATH_CHECK: Final = 2.0  # seconds between two checks that the socket path is still the guard's
 PAUSE: Final = 0.1  # seconds accepting pauses at EMFILE or when every peer holds a trainer
 ACCEPT_BATCH: Final = 64  # connections accepted in one turn of the loop, then the others get theirs
-LOCK_TRIES: Final = 100  # tries at the path's lock, 10 ms apart, before another guard is said to serve it
 INHERIT_TIMEOUT: Final = 2.0  # seconds a successor waits for a draining guard to pass its listening socket
-
-
-def _lock_soon(fd: int) -> None:
-    """``flock(LOCK_EX)`` on ``fd``, tried for up to ``LOCK_TRIES`` x 10 ms: the guard told to drain lets it
-    go as its loop wakes, and its look at whether its successor lives holds a shared lock for a moment
-    (``BlockingIOError`` after that)."""
-    for _ in range(LOCK_TRIES - 1):
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            time.sleep(0.01)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-
-
-class GuardError(Exception):
-    """The guard cannot start (its socket path is taken or unusable, a bad ledger); the message says why."""
 
 
 class SocketPath:
@@ -100,7 +81,7 @@ class SocketPath:
             os.makedirs(folder, mode=0o700, exist_ok=True)
         except OSError as exc:
             raise GuardError(f"cannot create {shown(folder)}: {exc.strerror or exc}") from None
-        self._check_folder(folder)
+        check_folder(folder, self._say)
 
     def take(self) -> None:
         """Take the path (one guard per path, decided by a lock), replace a stale socket, listen (0600).
@@ -108,7 +89,7 @@ class SocketPath:
         Raises:
             GuardError: another guard serves the path, or it cannot be taken.
         """
-        self._take_lock()
+        self._lock_fd = take_lock(self.path, self._say, self._say_once)
         if self._inherit():
             return
         self._take_path()
@@ -186,7 +167,7 @@ class SocketPath:
     def pass_listener(self, reply_fd: int) -> bool:
         """Draining: pass the listening socket over ``reply_fd`` to the successor that asked, once it
         holds the path's lock (no other process may have it), and accept no more here; True if passed."""
-        if self._listener is None or self.passed or not self.handed_over or not self._lock_taken_by_another():
+        if self._listener is None or self.passed or not self.handed_over or not lock_taken_by_another(self.path):
             return False
         try:
             send_with_fd(reply_fd, LISTENER + b"\n", self._listener.fileno())
@@ -205,68 +186,13 @@ class SocketPath:
             self._loop.watch(self._listener.fileno(), self._on_readable)
             self._say(f"the successor at {shown(self.path)} is gone: this draining guard answers there again")
 
-    def _lock_taken_by_another(self) -> bool:
-        """Does another process hold the path's lock now (the successor, after ``hand_over``)?"""
-        try:
-            fd = os.open(self.path + ".lock", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            return False
-        try:
-            if ownership_problem(os.fstat(fd)) is not None:
-                return False
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        except OSError:
-            return False
-        finally:
-            os.close(fd)
-        return False
-
     def _inherit(self) -> bool:
-        """Ask a draining guard of this uid (or root) at the path for its listening socket; True when it
-        was passed and is listened on here."""
-        try:
-            sock = connect_to_guard(self.path, INHERIT_TIMEOUT)
-        except (OSError, ImpostorError):
-            return False  # nobody answers (a stale socket, or none), or another uid's: bound afresh
-        try:
-            try:
-                sock.sendall(b'{"listener": true}\n')
-                data, fds = b"", list[int]()
-                while not data.endswith(b"\n") and not fds:
-                    chunk, ancillary, _, _ = sock.recvmsg(256, socket.CMSG_SPACE(4), socket.MSG_CMSG_CLOEXEC)
-                    fds += [int.from_bytes(payload[i:i + 4], "little", signed=True) for level, kind, payload
-                            in ancillary if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
-                            for i in range(0, len(payload) - len(payload) % 4, 4)]
-                    if not chunk:
-                        break
-                    data += chunk
-            except OSError:
-                return False
-        finally:
-            if not fds:
-                sock.close()
-        listener = None
-        for fd in fds:
-            if listener is None and data.startswith(LISTENER + b"\n"):
-                listener = socket.socket(fileno=fd)
-            else:
-                os.close(fd)
-        try:
-            if listener is None or listener.family != socket.AF_UNIX or listener.type != socket.SOCK_STREAM \
-                    or not listener.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                raise OSError("not a listening socket")
-            info = os.lstat(self.path)
-        except OSError:
-            if listener is not None:
-                listener.close()
-            sock.close()
+        """Take a draining guard's listening socket (see ``_receive_listener``); True when it was passed."""
+        if (received := _receive_listener(self.path)) is None:
             return False
-        listener.setblocking(False)
-        self._listener, self._identity, self.inherited = listener, (info.st_dev, info.st_ino), True
-        self._predecessor = sock  # held open for life: its end tells the predecessor this guard is gone
-        self._loop.watch(listener.fileno(), self._on_readable)
+        self._listener, self._predecessor, self._identity = received
+        self.inherited = True
+        self._loop.watch(self._listener.fileno(), self._on_readable)
         return True
 
     def give_up(self) -> None:
@@ -279,7 +205,7 @@ class SocketPath:
             with contextlib.suppress(OSError):
                 info = os.lstat(self.path)
                 if (info.st_dev, info.st_ino) == self._identity and not self.passed \
-                        and not (self.handed_over and self._lock_taken_by_another()):  # (else: a successor's)
+                        and not (self.handed_over and lock_taken_by_another(self.path)):  # (else: a successor's)
                     os.unlink(self.path)
         if self._predecessor is not None:
             self._predecessor.close()
@@ -343,77 +269,6 @@ class SocketPath:
             os.umask(umask)
         return listener
 
-    def _check_folder(self, folder: str) -> None:
-        """Refuse a folder another (non-root) user owns. One that others may write without the sticky bit
-        (an emptyDir, mode 0777) is made sticky where this guard may (it owns it, or is root), so no
-        other uid can remove or rename what is not theirs; else the operator is told what to change."""
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            info = os.fstat(fd)
-            if info.st_uid not in (os.geteuid(), 0):
-                raise GuardError(f"the socket's folder {shown(folder)} is owned by uid {info.st_uid}: that user "
-                                 "could replace the socket; use a folder owned by this user or root")
-            mode = stat.S_IMODE(info.st_mode)
-            if not mode & (stat.S_IWGRP | stat.S_IWOTH) or mode & stat.S_ISVTX:
-                return
-            try:
-                os.fchmod(fd, mode | stat.S_ISVTX)
-            except OSError as exc:
-                self._say(f"warning: others may write {shown(folder)} (mode {mode:04o}, no sticky bit) and this "
-                          f"guard cannot set it ({exc.strerror or exc}): they could replace the socket (trainers "
-                          f"check who listens before they send anything); run `chmod +t {shown(folder)}` as its "
-                          "owner, or give the guard a folder only its user may write")
-            else:
-                self._say(f"set the sticky bit on {shown(folder)} (mode {mode | stat.S_ISVTX:04o} now): others "
-                          "may write it, but no longer remove or rename what is not theirs")
-        finally:
-            os.close(fd)
-
-    def _take_lock(self) -> None:
-        """``flock`` on ``PATH.lock`` for the guard's life: the second guard on a path exits, however busy the first."""
-        lock_path = self.path + ".lock"
-        try:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            raise GuardError(f"cannot open the lock {shown(lock_path)}: {exc.strerror or exc}") from None
-        problem = ownership_problem(os.fstat(fd))
-        if problem is not None:  # planted by another uid: a fresh lock file of ours is renamed over it
-            os.close(fd)
-            fd = self._replace_lock(lock_path, problem)
-        try:
-            _lock_soon(fd)
-        except BlockingIOError:
-            os.close(fd)
-            raise GuardError(f"a guard is already serving {shown(self.path)}") from None
-        except OSError as exc:
-            if exc.errno not in UNSUPPORTED:
-                os.close(fd)
-                raise GuardError(f"cannot lock {shown(lock_path)}: {exc.strerror or exc}") from None
-            self._say(f"warning: {shown(lock_path)} cannot be locked here ({exc.strerror or exc}: no flock on this "
-                      "file system): one guard per path is not enforced, and trainers are judged by a grace and "
-                      "their heartbeat; put the socket on a local file system")
-        self._lock_fd = fd
-
-    def _replace_lock(self, lock_path: str, problem: str) -> int:
-        """A fresh lock file of this guard's, renamed over one another uid planted at ``lock_path``; its
-        descriptor. ``GuardError`` when it cannot be (a sticky folder that file's owner shares)."""
-        beside = f"{lock_path}.{secrets.token_hex(4)}"
-        try:
-            fd = os.open(beside, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            raise GuardError(f"the lock {shown(lock_path)} {problem}, and no lock can be made beside it: "
-                             f"{exc.strerror or exc}") from None
-        try:
-            os.rename(beside, lock_path)
-        except OSError as exc:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(beside)
-            raise GuardError(f"the lock {shown(lock_path)} {problem}, and it cannot be replaced: "
-                             f"{exc.strerror or exc}") from None
-        self._say_once("lock replaced", f"the lock {shown(lock_path)} {problem}: replaced by this guard's own")
-        return fd
-
     def _take_path(self) -> None:
         try:
             info = os.lstat(self.path)
@@ -433,3 +288,45 @@ class SocketPath:
         if served_by:
             self._say_once("path squatted", f"replaced the socket at {shown(self.path)}{served_by}: this guard holds "
                                             "the path's lock")
+
+
+def _receive_listener(path: str) -> tuple[socket.socket, socket.socket, tuple[int, int]] | None:
+    """Ask a draining guard of this uid (or root) at ``path`` for its listening socket: the socket, the
+    connection to that guard (held open for life: its end tells the predecessor its successor is gone)
+    and the identity of the socket file; None when none was passed."""
+    try:
+        sock = connect_to_guard(path, INHERIT_TIMEOUT)
+    except (OSError, ImpostorError):
+        return None  # nobody answers (a stale socket, or none), or another uid's: bound afresh
+    data, fds = b"", list[int]()
+    try:
+        sock.sendall(b'{"listener": true}\n')
+        while not data.endswith(b"\n") and not fds and select.select([sock], [], [], INHERIT_TIMEOUT)[0]:
+            chunk, passed = receive_with_fds(sock.fileno(), 256)
+            fds += passed
+            if not chunk:
+                break
+            data += chunk
+    except OSError:
+        pass
+    if not fds:
+        sock.close()
+        return None
+    listener = None
+    for fd in fds:
+        if listener is None and data.startswith(LISTENER + b"\n"):
+            listener = socket.socket(fileno=fd)
+        else:
+            os.close(fd)
+    try:
+        if listener is None or listener.family != socket.AF_UNIX or listener.type != socket.SOCK_STREAM \
+                or not listener.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            raise OSError("not a listening socket")
+        info = os.lstat(path)
+    except OSError:
+        if listener is not None:
+            listener.close()
+        sock.close()
+        return None
+    listener.setblocking(False)
+    return listener, sock, (info.st_dev, info.st_ino)
