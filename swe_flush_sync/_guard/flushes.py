@@ -30,7 +30,7 @@ from .._process.liveness import LockFolder, LockState, is_held
 from .._process.ownership import Verdict, judge
 from .._process.proc import Place, process_start_time
 from .._process.record import Record
-from .._process.watch_loop import Channel
+from .._process.watch_loop import Channel, flush_state
 from .._recover import recover_with
 from .pool import KeyedWorkers, WorkPool
 
@@ -150,8 +150,8 @@ class DeathFlushes:
             self._say_once("claimed", f"{who}: its record was taken by a recover or removed; retries end")
             return
         try:
-            report = channel.flush(retry.pairs, max_workers=HTTP_WORKERS, retries=0,  # the guard retries itself
-                                   workers=self.http)
+            report = flush_state(channel.state, retry.pairs, max_workers=HTTP_WORKERS, retries=0,  # it retries itself
+                                 workers=self.http)
         except Exception as exc:  # noqa: BLE001 - one trainer's failure must not stop the guard
             report, why, refused, away = None, f"the flush failed: {type(exc).__name__}", False, False
             if self._metrics is not None:

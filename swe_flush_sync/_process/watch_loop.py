@@ -152,21 +152,6 @@ class Channel:
         self.pending += chunk
         return self._take_lines(start)
 
-    def disarm_before_end(self) -> bool:
-        """Of a channel whose peer hung up while a line of it was parsed elsewhere: did a disarm come
-        after that line (read now, to the end; only short lines are parsed)?"""
-        rest = bytearray(self.pending)
-        with contextlib.suppress(OSError):
-            while chunk := os.read(self.read_fd, 1 << 18):
-                rest += chunk
-                if len(rest) > MAX_STATE_BYTES:
-                    break
-        for line in rest.split(b"\n")[:-1]:
-            with contextlib.suppress(BadLine):
-                if len(line) <= OFFLOAD_BYTES and self.parse(line).get("disarm") is True:
-                    return True
-        return False
-
     def _take_lines(self, start: int = 0) -> bool:
         """Take the lines ended in ``pending`` (from ``start``) until one is offloaded; False when it ends."""
         end = self.pending.find(b"\n", start)
@@ -309,29 +294,6 @@ class Channel:
             if error is not None:
                 say(f"swe-flush watchdog for pid {self.trainer_pid}: cannot write the ledger record: {error}")
 
-    def flush(self, pairs: Mapping[str, tuple[str, ...]] | None = None, *, max_workers: int | None = None,
-              retries: int | None = None, workers: Runner | None = None) -> FlushReport | None:
-        """Flush the last state's pairs (or ``pairs``: server -> ids) without logging; None when there
-        were none. ``max_workers`` caps the requests in flight, ``retries`` replaces the trainer's,
-        ``workers`` send them (a guard's shared HTTP workers)."""
-        state = self.state
-        if state is None or not state.get("ids") or not state.get("urls"):
-            return None
-        from swe_flush_sync._core.groups import flush_groups  # imported only now: the watchdog's wait stays lean
-        from swe_flush_sync._core.options import FlushOptions
-
-        tokens = state.get("tokens")
-        options = dict(state.get("options") or {})
-        if isinstance(tokens, dict):
-            options["bearer"] = tokens.__getitem__  # a missing token fails that pair only
-        if max_workers is not None:
-            options["max_workers"] = min(options.get("max_workers") or max_workers, max_workers)
-        if retries is not None:
-            options["retries"] = retries
-        groups: Mapping[tuple[str, ...], Iterable[str]] = {tuple(state["urls"]): state["ids"]} if pairs is None \
-            else {(url,): ids for url, ids in pairs.items()}
-        return flush_groups(groups, FlushOptions(**options, linger=0.0), workers)
-
     def mark_gone(self) -> None:
         """Say in the record that the trainer is gone and not yet flushed, so any recover may take it."""
         if self.keeper is not None:
@@ -347,6 +309,46 @@ class Channel:
                 io_error(self.keeper.remove)
             else:
                 self._run_ledger_io(self.keeper.remove)
+
+
+def flush_state(state: dict[str, Any] | None, pairs: Mapping[str, tuple[str, ...]] | None = None, *,
+                max_workers: int | None = None, retries: int | None = None,
+                workers: Runner | None = None) -> FlushReport | None:
+    """Flush a channel's last ``state`` (or its ``pairs``: server -> ids) without logging; None when there
+    were none. ``max_workers`` caps the requests in flight, ``retries`` replaces the trainer's,
+    ``workers`` send them (a guard's shared HTTP workers)."""
+    if state is None or not state.get("ids") or not state.get("urls"):
+        return None
+    from swe_flush_sync._core.groups import flush_groups  # imported only now: the watchdog's wait stays lean
+    from swe_flush_sync._core.options import FlushOptions
+
+    tokens = state.get("tokens")
+    options = dict(state.get("options") or {})
+    if isinstance(tokens, dict):
+        options["bearer"] = tokens.__getitem__  # a missing token fails that pair only
+    if max_workers is not None:
+        options["max_workers"] = min(options.get("max_workers") or max_workers, max_workers)
+    if retries is not None:
+        options["retries"] = retries
+    groups: Mapping[tuple[str, ...], Iterable[str]] = {tuple(state["urls"]): state["ids"]} if pairs is None \
+        else {(url,): ids for url, ids in pairs.items()}
+    return flush_groups(groups, FlushOptions(**options, linger=0.0), workers)
+
+
+def _disarm_before_end(channel: Channel) -> bool:
+    """Of a channel whose peer hung up while a line of it was parsed elsewhere: did a disarm come after
+    that line (read now, to the end; only short lines are parsed)?"""
+    rest = bytearray(channel.pending)
+    with contextlib.suppress(OSError):
+        while chunk := os.read(channel.read_fd, 1 << 18):
+            rest += chunk
+            if len(rest) > MAX_STATE_BYTES:
+                break
+    for line in rest.split(b"\n")[:-1]:
+        with contextlib.suppress(BadLine):
+            if len(line) <= OFFLOAD_BYTES and channel.parse(line).get("disarm") is True:
+                return True
+    return False
 
 
 def io_error(job: Callable[[], None]) -> str | None:
@@ -419,7 +421,7 @@ class WatchLoop:
                 continue
             self._stop_hangup_watch(channel)
             if channel in self.channels:
-                channel.disarmed = channel.disarm_before_end()
+                channel.disarmed = _disarm_before_end(channel)
                 self.end(channel)
 
     def resume(self, channel: Channel) -> None:

@@ -38,7 +38,7 @@ LEAN_PACKAGE: Final = "_swe_flush_watchdog"
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the watchdog process (``--trainer-pid N --control-fd R --ready-fd W``)."""
-    from .watch_loop import Channel, WatchLoop, say  # here: a script has no package until _run_as_script
+    from .watch_loop import Channel, WatchLoop, flush_state, say  # here: a script has no package until _run_as_script
 
     for signum in IGNORED_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
             channel.settle(None)  # the trainer's own hook flushed everything
         else:
             sys.path[:] = (channel.state or {}).get("sys_path") or sys.path  # the trainer's swe_flush_sync
-            report = channel.flush()
+            report = flush_state(channel.state)
             code = 0 if report is None or report.ok else 1
             said = "" if report is None else f"trainer gone; {report.summary()}"
             channel.settle(report)

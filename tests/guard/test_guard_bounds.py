@@ -17,10 +17,12 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
 from swe_flush_sync import recover
+from swe_flush_sync._guard import flushes as flushes_module
 from swe_flush_sync._guard.daemon import Guard as GuardDaemon
 from swe_flush_sync._guard.flushes import _Retrying
 from swe_flush_sync._guard.pool import DEFAULT_FLUSH_WORKERS
@@ -132,8 +134,10 @@ def test_a_refused_bearer_is_retried_slowly_and_not_after_recover(short_dir: Pat
     assert err.count("retrying in 600 s") == 1  # one line a minute at most, however many retry
 
 
-def test_a_record_a_recover_took_ends_its_retries(short_dir: Path) -> None:
+def test_a_record_a_recover_took_ends_its_retries(short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     daemon = GuardDaemon(str(short_dir / "g.sock"))
+    flushed: list[object] = []
+    monkeypatch.setattr(flushes_module, "flush_state", lambda *args, **kwargs: flushed.append(args))
 
     class Keeper:
         path = str(short_dir / "claimed-record.json")  # not there: a recover claimed it
@@ -144,15 +148,12 @@ def test_a_record_a_recover_took_ends_its_retries(short_dir: Path) -> None:
         lock = None
         token = None
         keeper = Keeper()
-        flushed = 0
-
-        def flush(self, *args: object, **kwargs: object) -> None:
-            self.flushed += 1
+        state: ClassVar[dict[str, list[str]]] = {"urls": ["http://127.0.0.1:9"], "ids": ["a"]}
 
     channel = Dead()
     daemon.deaths._flushing.add(channel)  # type: ignore[arg-type]
     daemon.deaths._flush(channel, _Retrying(None, time.monotonic(), 2, 2.0))  # type: ignore[arg-type]
-    assert channel.flushed == 0 and daemon.deaths.count() == 0
+    assert flushed == [] and daemon.deaths.count() == 0
 
 
 def test_a_bad_update_keeps_the_last_good_state(start_guard: StartGuard) -> None:
