@@ -36,8 +36,8 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
-from typing import Any, Final, NamedTuple
+from collections.abc import Callable, Iterator
+from typing import Any, Final, Generic, NamedTuple, TypeVar
 
 from .._core.options import FlushOptions, RecoverOptionKwargs
 from .._core.resolve import normalize_instance_ids, normalize_server_urls
@@ -57,6 +57,8 @@ from .pool import DEFAULT_FLUSH_WORKERS
 from .socket_path import PATH_CHECK, PAUSE, SocketPath
 
 __all__ = ["DEFAULT_DRAIN", "DEFAULT_MAX_HELD", "TAKEOVER_GRACE", "Guard", "GuardError", "guard_status", "run_guard"]
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +206,52 @@ class _RecordWriter:
         self._worker.drain(timeout)
 
 
+class _ToLoop(Generic[T]):
+    """Items for the loop's thread from other threads: queued, and the loop woken (``wake``, the write
+    end of its pipe: a full pipe wakes it already, so a write never waits)."""
+
+    def __init__(self, wake: int) -> None:
+        self._items: queue.SimpleQueue[T] = queue.SimpleQueue()
+        self._wake = wake
+
+    def put(self, item: T) -> None:
+        self._items.put(item)
+        with contextlib.suppress(OSError):
+            os.write(self._wake, b"w")
+
+    def ready(self) -> Iterator[T]:
+        """The items the loop has yet to take."""
+        while True:
+            try:
+                yield self._items.get_nowait()
+            except queue.Empty:
+                return
+
+
+class _LongLines:
+    """Lines over ``OFFLOAD_BYTES``, parsed in the parser process on a thread of their own; each result
+    goes to the loop (``ready``), which is woken."""
+
+    def __init__(self, wake: int) -> None:
+        self.process = ParserProcess()
+        self._thread = _SerialWorker("swe-flush-guard-parse")
+        self._parsed: _ToLoop[tuple[Channel, dict[str, Any] | BadLine, int]] = _ToLoop(wake)
+
+    def submit(self, channel: Channel, line: bytearray) -> None:
+        self._thread.submit(functools.partial(self._parse, channel, line))
+
+    def refuse(self, channel: Channel, why: str, size: int) -> None:
+        """A line refused unparsed (past the held states' budget)."""
+        self._parsed.put((channel, BadLine(why), size))
+
+    def ready(self) -> Iterator[tuple[Channel, dict[str, Any] | BadLine, int]]:
+        return self._parsed.ready()
+
+    def _parse(self, channel: Channel, line: bytearray) -> None:
+        """On the parse thread: parse in the parser process and check the state."""
+        self._parsed.put((channel, _CheckedState.parse(self.process, line), len(line)))
+
+
 class _GuardLocks:
     """The guard's lock folder: its own lock for life, each trainer's made and passed over the socket,
     removed when the trainer settles (on a thread of its own), all touched every heartbeat."""
@@ -225,6 +273,25 @@ class _GuardLocks:
             self._say(f"cannot keep lock files in {shown(self.folder.path)} ({exc.strerror or exc}): a trainer's "
                       "death is the end of its connection, and a successor judges records by their pids and "
                       "heartbeats")
+
+    def settle(self, channel: Channel, records: _RecordWriter | None) -> bool:
+        """A trainer settled without a death (disarmed, dropped): a disarm said in its lock at once (a guard
+        killed before the record goes leaves no death to flush), then, on the ledger thread, its record
+        removed before its lock file (a record whose lock file is gone is judged by pids, and this
+        trainer's are dead). False when it keeps no record: the caller settles it."""
+        if channel.disarmed and channel.lock is not None:
+            self.folder.mark(channel.lock, DISARMED_MARK)
+        if channel.keeper is None or records is None:
+            return False
+        records.submit(channel, functools.partial(self._remove_record_then_lock, channel))
+        return True
+
+    def _remove_record_then_lock(self, channel: Channel) -> None:
+        assert channel.keeper is not None
+        try:
+            channel.keeper.remove()
+        finally:
+            self.release(channel)
 
     def give(self, channel: Channel) -> None:
         """A trainer's first state, held: make its lock file, pass it over the socket with ``lock`` and
@@ -439,6 +506,53 @@ def raise_nofile_limit() -> int:
     return soft
 
 
+def _say(stderr: _SerialWorker, line: str) -> None:
+    """One line on stderr, written by the stderr thread (a stalled stderr holds only that thread)."""
+    dropped, stderr.dropped = stderr.dropped, 0
+    if dropped:
+        line = f"({dropped} earlier lines dropped: stderr was not read) {line}"
+    stderr.submit(functools.partial(write_all, 2, f"swe-flush guard: {line}\n".encode("utf-8", "replace")))
+
+
+class _Connected:
+    """Who is connected now: the tokens of the trainers whose state is held, and the pids of the open
+    connections' peers, from the accept until the connection's end is handled (a death's flush then
+    owned): a state still being parsed has no token yet, and its record is this guard's."""
+
+    def __init__(self) -> None:
+        self.tokens: collections.Counter[str] = collections.Counter()
+        self.pids: collections.Counter[int] = collections.Counter()
+
+    def ended(self, channel: Channel) -> None:
+        if channel.token is not None:
+            _uncount(self.tokens, channel.token)
+        _uncount(self.pids, channel.trainer_pid)
+
+
+def _uncount(counter: collections.Counter[Any], key: Any) -> None:
+    counter[key] -= 1
+    if counter[key] <= 0:
+        del counter[key]
+
+
+def _ready_ledger(ledger: str) -> None:
+    """The ledger directory made (0700) if missing, and checked. ``GuardError`` when unusable."""
+    with contextlib.suppress(OSError):
+        os.makedirs(ledger, mode=0o700, exist_ok=True)
+    problem = directory_problem(ledger)
+    if problem is not None:
+        raise GuardError(f"--ledger: the directory {shown(ledger)} {problem}")
+
+
+def _handed_over_line(held: list[Channel], drain: float, flushing: bool) -> str:
+    """What a guard says when its drain time is up and it hands the ``held`` trainers over."""
+    lockless = sum(channel.lock is None for channel in held)
+    return (f"drain time ({drain:g} s) is up; handed over trainers {', '.join(c.who for c in held) or 'none'} "
+            "(they arm with the next guard)"
+            + (f"; {lockless} of them hold no lock: a successor judges them by pid and heartbeat" if lockless else "")
+            + ("; flushes still running" if flushing else ""))
+
+
 class Guard:
     """The listening socket, the trainers' channels, their records and their flushes."""
 
@@ -452,35 +566,31 @@ class Guard:
         self.heartbeat = heartbeat
         self.loop = WatchLoop(self._ended)
         self._stderr = _SerialWorker("swe-flush-guard-stderr", limit=MAX_QUEUED_LINES)
-        self._parser = _SerialWorker("swe-flush-guard-parse")  # long lines: sent to the parser process
-        self._parser_process = ParserProcess()
-        self._parsed: queue.SimpleQueue[tuple[Channel, dict[str, Any] | BadLine, int]] = queue.SimpleQueue()
+        self.say = functools.partial(_say, self._stderr)  # one line on stderr, written by the stderr thread
         self._records = _RecordWriter(self.say) if ledger is not None else None
-        self._connected: collections.Counter[str] = collections.Counter()  # tokens of the trainers held now
-        # The pids of the open connections' peers, until each connection's end is handled (a death's
-        # flush is then owned): a state still being parsed has no token yet, and its record is ours.
-        self._peer_pids: collections.Counter[int] = collections.Counter()
+        self.connected = _Connected()
         self._handed_over: set[Channel] = set()  # closed by this guard at the end of its drain: not dead
         self._successor: Channel | None = None  # the connection of the successor this guard's listener went to
         self.budget = _HeldBudget(max_held)
         self._lines = _Lines(self.say)
         self.locks = _GuardLocks(path, self.say, self._lines.say, ledger is not None)
-        self._recorded: queue.SimpleQueue[Channel] = queue.SimpleQueue()  # records written that name a new lock
         self._stopping_since: float | None = None
         self._stop = threading.Event()
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_write, False)  # a full pipe wakes the loop already: a write never waits
+        self._long = _LongLines(self._wake_write)
+        self._recorded: _ToLoop[Channel] = _ToLoop(self._wake_write)  # (the ledger thread's) a record names a lock
         self.max_peers = 0
         self.socket = SocketPath(path, self.loop, self._accept, self.say, self._lines.say,
                                  _serving)
         self.metrics = GuardMetrics(self.trainers, lambda: len(self.deaths.retrying)) if metrics else None
-        self.deaths = DeathFlushes(flush_workers, connected=self._connected, lock_folder=self.locks.folder,
+        self.deaths = DeathFlushes(flush_workers, connected=self.connected.tokens, lock_folder=self.locks.folder,
                                    release=self._settled, say=self.say, say_once=self._lines.say,
                                    metrics=self.metrics)
         records = self._records  # a record is this guard's while its flush runs or waits, then while its
         # removal waits (queued before the flush lets it go: asked in this order)
         self._recovery = None if ledger is None or records is None else LedgerRecovery(
-            ledger, grace=takeover_grace, connected=self._connected, peer_pids=self._peer_pids,
+            ledger, grace=takeover_grace, connected=self.connected.tokens, peer_pids=self.connected.pids,
             owns=lambda token: self.deaths.owns(token) or records.busy(token), stop=self._stop,
             http=self.deaths.http, say=self.say, say_once=self._lines.say, metrics=self.metrics)
 
@@ -489,14 +599,10 @@ class Guard:
         sys.setswitchinterval(SWITCH_INTERVAL)  # a parse or a flush never keeps the loop off the GIL for long
         self.socket.check()
         if self.ledger is not None:
-            with contextlib.suppress(OSError):
-                os.makedirs(self.ledger, mode=0o700, exist_ok=True)
-            problem = directory_problem(self.ledger)
-            if problem is not None:
-                raise GuardError(f"--ledger: the directory {shown(self.ledger)} {problem}")
+            _ready_ledger(self.ledger)
         self.socket.take()
         try:
-            self._parser_process.start()
+            self._long.process.start()
         except OSError as exc:  # tried again with the first long line
             self.say(f"cannot start the parser process ({exc.strerror or exc}); tried again when a long line comes")
         self.locks.open()
@@ -533,11 +639,11 @@ class Guard:
                           check=functools.partial(self._checked, pid=pid, uid=uid, peer=peer), status=self._status,
                           ledger_io=self._records.submit if self._records is not None else None,
                           locks=self.locks.named, armed=self.locks.give, offload=self._offload,
-                          recorded=self._on_recorded, listener=self._pass_listener)
+                          recorded=self._recorded.put, listener=self._pass_listener)
         channel.trainer_start = process_start_time(pid) if pid > 0 else None
         channel.status_only = status_only  # past the peer limit: a liveness probe (or a successor) is still served
         self.budget.admit(channel, peer)
-        self._peer_pids[pid] += 1
+        self.connected.pids[pid] += 1
         self.loop.add(channel)
 
     def _offload(self, channel: Channel, line: bytearray) -> None:
@@ -546,23 +652,9 @@ class Guard:
         self.loop.pause(channel)
         over = self.budget.over(channel, len(line))
         if over is not None:
-            self._parsed.put((channel, BadLine(over), len(line)))
-            os.write(self._wake_write, b"p")
-            return
-        self._parser.submit(functools.partial(self._parse, channel, line))
-
-    def _parse(self, channel: Channel, line: bytearray) -> None:
-        """On the parse thread: parse in the parser process and check the state, then hand the result to
-        the loop (woken)."""
-        self._parsed.put((channel, _CheckedState.parse(self._parser_process, line), len(line)))
-        with contextlib.suppress(OSError):
-            os.write(self._wake_write, b"p")
-
-    def _on_recorded(self, channel: Channel) -> None:
-        """On the ledger thread: a record naming ``channel``'s lock is written; the loop tells the trainer."""
-        self._recorded.put(channel)
-        with contextlib.suppress(OSError):
-            os.write(self._wake_write, b"r")
+            self._long.refuse(channel, over, len(line))
+        else:
+            self._long.submit(channel, line)
 
     def _pass_listener(self, channel: Channel) -> None:
         """A successor asks for the listening socket: passed once this guard is draining and the
@@ -575,24 +667,16 @@ class Guard:
         self.budget.release(channel)
         self.locks.release(channel)
 
-    def say(self, line: str) -> None:
-        """One line on stderr, written by the stderr thread (a stalled stderr holds only that thread)."""
-        dropped, self._stderr.dropped = self._stderr.dropped, 0
-        if dropped:
-            line = f"({dropped} earlier lines dropped: stderr was not read) {line}"
-        self._stderr.submit(functools.partial(write_all, 2, f"swe-flush guard: {line}\n".encode("utf-8", "replace")))
-
     def _drop_idle(self) -> bool:
         """End the oldest connection that has handed no state over; False when every peer holds a trainer."""
-        for channel in self.loop.channels:
-            if channel.state is None:
-                self.loop.end(channel)
-                if self.metrics is not None:
-                    self.metrics.dropped.labels("peer_limit").inc()
-                self._lines.say("peer limit", f"an idle connection dropped: the peer limit ({self.max_peers}) "
-                                              "was reached")
-                return True
-        return False
+        idle = next((channel for channel in self.loop.channels if channel.state is None), None)
+        if idle is None:
+            return False
+        self.loop.end(idle)
+        if self.metrics is not None:
+            self.metrics.dropped.labels("peer_limit").inc()
+        self._lines.say("peer limit", f"an idle connection dropped: the peer limit ({self.max_peers}) was reached")
+        return True
 
     def _checked(self, state: dict[str, Any], first: bool, size: int, pid: int, uid: int,
                  peer: _Peer) -> dict[str, Any]:
@@ -602,7 +686,7 @@ class Guard:
         state, dropped = _CheckedState.result(state)
         self.budget.take(peer, size)
         if first and isinstance(state.get("trainer"), str):
-            self._connected[state["trainer"]] += 1
+            self.connected.tokens[state["trainer"]] += 1
         if dropped and not peer.said_options:  # once per connection, and once a minute over all of them
             peer.said_options = True
             who = trainer_name(state, pid, uid, record=True)
@@ -627,13 +711,7 @@ class Guard:
         death = not handed_over and channel.error is None and not channel.disarmed and channel.state is not None
         if death:
             self.deaths.take(channel)  # owned before it stops counting as connected (see ``take``)
-        if channel.token is not None:
-            self._connected[channel.token] -= 1
-            if self._connected[channel.token] <= 0:
-                del self._connected[channel.token]
-        self._peer_pids[channel.trainer_pid] -= 1
-        if self._peer_pids[channel.trainer_pid] <= 0:
-            del self._peer_pids[channel.trainer_pid]
+        self.connected.ended(channel)
         if handed_over or death:  # a death's pairs wait for their flush outside the budget (live trainers')
             self._handed_over.discard(channel)
             self.budget.release(channel)
@@ -645,38 +723,18 @@ class Guard:
                             f"dropped the connection of {channel.who}: it sent {channel.error}")
             if self.metrics is not None:
                 self.metrics.dropped.labels("bad_message").inc()
-        if channel.disarmed and channel.lock is not None:  # said in the lock too, at once: a guard killed before
-            self.locks.folder.mark(channel.lock, DISARMED_MARK)  # the record goes leaves no death to flush
-        if channel.keeper is not None and self._records is not None:  # the record goes first, its lock file after
+        if self.locks.settle(channel, self._records):
             self.budget.release(channel)
-            self._records.submit(channel, functools.partial(self._remove_record_then_lock, channel))
             return
         channel.settle(None)
         self._settled(channel)
 
-    def _remove_record_then_lock(self, channel: Channel) -> None:
-        """On the ledger thread: a settled trainer's record removed, then its lock file (never the other
-        way round: a record whose lock file is gone is judged by pids, and this trainer's are dead)."""
-        assert channel.keeper is not None
-        try:
-            channel.keeper.remove()
-        finally:
-            self.locks.release(channel)
-
     def _woken(self) -> None:
         with contextlib.suppress(OSError):
             os.read(self._wake_read, 512)
-        while True:
-            try:
-                channel, parsed, size = self._parsed.get_nowait()
-            except queue.Empty:
-                break
+        for channel, parsed, size in self._long.ready():
             self.loop.take_parsed(channel, parsed, size)
-        while True:
-            try:
-                channel = self._recorded.get_nowait()
-            except queue.Empty:
-                break
+        for channel in self._recorded.ready():
             if channel in self.loop.channels:
                 channel.tell(RECORDED)
         if self._stop.is_set() and self._stopping_since is None:
@@ -696,7 +754,7 @@ class Guard:
         if self._records is not None:  # before this guard's own lock goes: the records it names are written
             self._records.drain(CLOSE_DRAIN)
         self.locks.close()
-        self._parser_process.close()
+        self._long.process.close()
         self._lines.say_held_back()
         self._stderr.drain(1.0)
 
@@ -737,18 +795,12 @@ class Guard:
     def _hand_over(self, held: list[Channel]) -> None:
         """The drain is over: close the held trainers' connections without flushing them. Their locks
         prove them alive, so no guard flushes them, and their follower threads arm with the successor."""
-        locked = [channel for channel in held if channel.lock is not None]
         for channel in held:
             self._handed_over.add(channel)
             if channel.keeper is not None:  # the record is the successor's now: no write of ours after this
                 channel.keeper.retired = True
             self.loop.end(channel)
-        pids = ", ".join(channel.who for channel in held) or "none"
-        lockless = len(held) - len(locked)
-        self.say(f"drain time ({self.drain:g} s) is up; handed over trainers {pids} (they arm with the next guard)"
-                 + (f"; {lockless} of them hold no lock: a successor judges them by pid and heartbeat"
-                    if lockless else "")
-                 + ("; flushes still running" if self.deaths.count() else ""))
+        self.say(_handed_over_line(held, self.drain, bool(self.deaths.count())))
 
 
 def _serving(path: str) -> bool:

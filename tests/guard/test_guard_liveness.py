@@ -136,10 +136,10 @@ def test_a_death_is_owned_before_it_stops_counting_as_connected(short_dir: Path)
             owned_when_uncounted.append(daemon.deaths.owns(token))
             super().__delitem__(key)
 
-    daemon._connected.__class__ = Watched
-    daemon._connected[token] = 1
-    daemon._peer_pids.__class__ = Watched  # the record is left alone while its pid has a connection open
-    daemon._peer_pids[4321] = 1
+    daemon.connected.tokens.__class__ = Watched
+    daemon.connected.tokens[token] = 1
+    daemon.connected.pids.__class__ = Watched  # the record is left alone while its pid has a connection open
+    daemon.connected.pids[4321] = 1
     flushed: list[object] = []
     daemon.deaths.gone = flushed.append  # type: ignore[method-assign]
     read_fd, write_fd = os.pipe()
@@ -153,7 +153,7 @@ def test_a_death_is_owned_before_it_stops_counting_as_connected(short_dir: Path)
 
     channel = Dead()
     daemon._ended(channel)  # type: ignore[arg-type]
-    assert owned_when_uncounted == [True, True] and flushed == [channel] and not daemon._peer_pids
+    assert owned_when_uncounted == [True, True] and flushed == [channel] and not daemon.connected.pids
 
 
 @pytest.mark.parametrize("cleaner", ["every file removed", "the lock folder moved by another uid"])
