@@ -172,12 +172,10 @@ def _abort_report(args: Any, environ: Mapping[str, str] | None, options: FlushOp
         env = os.environ if environ is None else environ
         urls, skipped = resolve_server_list(env)  # a bad entry of a list stops only itself
         if not urls and not skipped:  # ids to flush and nowhere to send them: a misconfiguration, never ok
-            with contextlib.suppress(FlushError):  # (args without ids: nothing to flush, nothing to say)
-                given = sum(map(len, split_instance_ids(args)))
-                if given:
-                    _warn_no_server_once(given, hook)
-                    return FlushReport(elapsed=time.monotonic() - started, error=_no_server(given))
-            return FlushReport(elapsed=time.monotonic() - started)
+            given = _ids_without_server(args, env)
+            if given:
+                _warn_no_server_once(given, hook)
+            return FlushReport(elapsed=time.monotonic() - started, error=_no_server(given) if given else None)
         ids, bad = split_instance_ids(args)  # an id that is not a str fails alone: the others are flushed
         if not ids and not bad:
             return FlushReport(elapsed=time.monotonic() - started)
@@ -203,8 +201,17 @@ def _abort_report(args: Any, environ: Mapping[str, str] | None, options: FlushOp
 _NO_SERVER: Final = "but no agent server configured"
 
 
-def _no_server(ids: int) -> str:
-    return f"{ids} instance id(s) in args {_NO_SERVER} ({' and '.join(URL_ENV_VARS)} unset): nothing was flushed"
+def _no_server(ids: int, then: str = "nothing was flushed") -> str:
+    return f"{ids} instance id(s) in args {_NO_SERVER} ({' and '.join(URL_ENV_VARS)} unset): {then}"
+
+
+def _ids_without_server(args: Any, env: Mapping[str, str]) -> int:
+    """How many ids ``args`` holds when no agent server is configured (0 when one is, or none is held)."""
+    with contextlib.suppress(FlushError):
+        urls, skipped = resolve_server_list(env)
+        if not urls and not skipped:
+            return sum(map(len, split_instance_ids(args)))
+    return 0
 
 
 def _says_no_server(report: FlushReport) -> bool:
@@ -222,14 +229,11 @@ def _log_report_once_if_no_server(report: FlushReport) -> None:
 
 def _warn_if_no_server(args: Any, environ: Mapping[str, str] | None, hook: str) -> None:
     """A hook installed with ids and no server: said once on stderr now (as ``abort`` says it)."""
-    with contextlib.suppress(FlushError):
-        urls, skipped = resolve_server_list(os.environ if environ is None else environ)
-        given = sum(map(len, split_instance_ids(args)))
-        if given and not urls and not skipped:
-            with contextlib.suppress(Warning):  # "-W error": installing still never raises for it
-                warnings.warn(f"{hook}: {given} instance id(s) in args {_NO_SERVER} ({' and '.join(URL_ENV_VARS)} "
-                              "unset): unless one is set by then, the hook will flush nothing", UserWarning,
-                              stacklevel=3)
+    given = _ids_without_server(args, os.environ if environ is None else environ)
+    if given:
+        with contextlib.suppress(Warning):  # "-W error": installing still never raises for it
+            warnings.warn(f"{hook}: {_no_server(given, 'unless one is set by then, the hook will flush nothing')}",
+                          UserWarning, stacklevel=3)
 
 
 def _warn_no_server_once(ids: int, hook: bool) -> None:

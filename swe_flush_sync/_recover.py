@@ -135,7 +135,8 @@ class _Ledger:
         return claimed
 
     def _gone(self, record: Record, now: float, name: str) -> bool:
-        gone = record.owner_gone(self.here, now)
+        kept = record.why_kept(self.here, now)
+        gone = kept is None
         if self.judge is not None:
             return self.judge(record, gone)
         if not gone and record.dying(self.here):  # its watchdog's flush (or death) gets its moment
@@ -145,7 +146,7 @@ class _Ledger:
                 return False
             return True
         if not gone:
-            self.listed[name] = record.why_kept(self.here, now)
+            self.listed[name] = kept or ""
         return gone
 
     def wait_for_dying(self) -> None:

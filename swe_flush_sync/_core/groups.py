@@ -13,7 +13,7 @@ from typing import Final
 from .flusher import Flusher
 from .options import FlushOptions
 from .outcome import Outcome
-from .report import FlushReport, FlushResult
+from .report import FlushReport, never_sent
 from .resolve import normalize_instance_ids
 from .threads import Inbox, Runner, Workers
 
@@ -53,5 +53,5 @@ def flush_groups(groups: Mapping[tuple[str, ...], Iterable[str]], options: Flush
 
 
 def _unfinished(urls: tuple[str, ...], ids: tuple[str, ...], elapsed: float) -> FlushReport:
-    return FlushReport(results=tuple(FlushResult(url, i, ok=False, error="the flush did not end", elapsed=elapsed)
-                                     for url in urls for i in ids), elapsed=elapsed)
+    return FlushReport(results=tuple(result for url in urls for result in never_sent(
+        url, list(ids), elapsed=elapsed, error="the flush did not end", idle=None)), elapsed=elapsed)

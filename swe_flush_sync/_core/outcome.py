@@ -75,6 +75,16 @@ class Outcome(Generic[T]):
             self._finish()
         return self._cancelled
 
+    def run(self, call: Callable[[], T]) -> None:
+        """Run ``call`` into this outcome, unless it was cancelled or another thread claimed it; what
+        ``call`` raises (a bug) is carried to the waiter, as an executor does."""
+        if not self.set_running_or_notify_cancel():
+            return
+        try:
+            self.set_result(call())
+        except BaseException as exc:  # noqa: BLE001 - carried, not swallowed
+            self.set_exception(exc)
+
     def set_result(self, value: T) -> None:
         self._value = value
         self._finish()

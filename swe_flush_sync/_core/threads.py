@@ -146,8 +146,7 @@ class Workers:
         except queue.Empty:
             self._start_one()
         if not self.threads:  # no thread could ever start: here, now (bounded by the call's own deadline)
-            if future.set_running_or_notify_cancel():
-                future.set_result(call())
+            future.run(call)
             return True
         tasks = self._tasks
         tasks.put((future, call))
@@ -180,11 +179,7 @@ class Workers:
                idle: queue.SimpleQueue[None]) -> None:
         while (task := tasks.get()) is not None:
             future, call = task
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(call())
-                except BaseException as exc:  # noqa: BLE001 - a bug: carried to the caller, as an executor does
-                    future.set_exception(exc)
+            future.run(call)
             del task, future, call  # nothing of a finished call is kept while idle
             idle.put(None)
 

@@ -164,20 +164,7 @@ class KeyedWorkers:
 
     def run(self, future: Outcome[T], call: Callable[[], T], key: Hashable = None) -> bool:
         """Queue ``call`` under ``key``; where no thread could start at all (a pids limit), run it here."""
-        self.pool.submit(functools.partial(_run_into, future, call), key=key)
+        self.pool.submit(functools.partial(future.run, call), key=key)
         if not self.pool.threads:  # (bounded by the call's own deadline; a worker taking it meanwhile: skipped)
-            _run_into(future, call)
+            future.run(call)
         return True
-
-
-def _run_into(future: Outcome[T], call: Callable[[], T]) -> None:
-    """Run ``call`` into ``future``, unless it was given up (cancelled) or another thread runs it."""
-    try:
-        if not future.set_running_or_notify_cancel():
-            return
-    except RuntimeError:  # running or done already: taken by the other of a worker and its caller
-        return
-    try:
-        future.set_result(call())
-    except BaseException as exc:  # noqa: BLE001 - a bug: carried to the caller, as an executor does
-        future.set_exception(exc)

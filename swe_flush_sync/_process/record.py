@@ -155,41 +155,34 @@ class Record:
                 record_lock(self.trainer_lock, self.trainer_lock_inode))
 
     def owner_gone(self, here: Place, now: float) -> bool:
-        """Marked gone by its keeper; else what the locks prove (a live guard's record is its own; a
-        trainer lives while its lock is held; a free lock is a death unless it was marked or its pid
-        lives here: see ``ownership``); else, in this host, boot and PID namespace, its keeper is not
-        alive and the trainer is dead; else (elsewhere, or a pid its guard could not see) the heartbeat
-        is stale."""
-        if self.gone:
-            return True
-        guard_lock, trainer_lock = self.locks()
-        if guard_lock is not None and is_held(guard_lock):
-            return False
-        if trainer_lock is not None:
-            verdict = judge(lock_state(trainer_lock), self.trainer_alive(here))
-            if verdict is not Verdict.UNKNOWN and verdict is not Verdict.HANDED:
-                return verdict is Verdict.DEAD
-        if here.boot_id is not None and here.pid_ns is not None and self.place == here:
-            if alive(self.watchdog_pid, self.watchdog_start_time):
-                return False
-            if self.start_time is not None:
-                return not alive(self.pid, self.start_time)
-        return self.stale(now)
+        """Is its owner gone? (``why_kept`` says why not.)"""
+        return self.why_kept(here, now) is None
 
-    def why_kept(self, here: Place, now: float) -> str:
-        """Why a record whose owner is not gone is left alone, in words for an operator."""
+    def why_kept(self, here: Place, now: float) -> str | None:
+        """Why its owner is not gone, in words for an operator; None when it is. Marked gone by its
+        keeper: gone. Else what the locks prove (a live guard's record is its own; a trainer lives while
+        its lock is held; a free lock is a death unless it was marked or its pid lives here: see
+        ``ownership``); else, in this host, boot and PID namespace, its keeper is not alive and the
+        trainer is dead; else (elsewhere, or a pid its guard could not see) the heartbeat is stale."""
+        if self.gone:
+            return None
         guard_lock, trainer_lock = self.locks()
         if guard_lock is not None and is_held(guard_lock):
             return f"its guard (pid {self.watchdog_pid}) is alive and keeps it"
-        if trainer_lock is not None and lock_state(trainer_lock) is LockState.HELD:
-            return f"its trainer (pid {self.pid}) holds its lock: alive"
+        if trainer_lock is not None:
+            verdict = judge(lock_state(trainer_lock), self.trainer_alive(here))
+            if verdict is Verdict.DEAD:
+                return None
+            if verdict is Verdict.ALIVE or verdict is Verdict.DISARMED:
+                return f"its trainer (pid {self.pid}) " + ("disarmed" if verdict is Verdict.DISARMED else
+                                                            "holds its lock: alive")
         if here.boot_id is not None and here.pid_ns is not None and self.place == here:
-            trainer = self.start_time is not None and alive(self.pid, self.start_time)
             if alive(self.watchdog_pid, self.watchdog_start_time):
-                return f"its watchdog (pid {self.watchdog_pid}) is alive" + (
-                    f", and its trainer (pid {self.pid})" if trainer else "")
-            if trainer:
-                return f"its trainer (pid {self.pid}) is alive"
+                return f"its watchdog (pid {self.watchdog_pid}) is alive"
+            if self.start_time is not None:
+                return f"its trainer (pid {self.pid}) is alive" if alive(self.pid, self.start_time) else None
+        if self.stale(now):
+            return None
         where = (f"on another host ({shown(self.place.host, 64)})" if self.place.host != here.host
                  else "in another boot or PID namespace")
         return (f"{where}: its heartbeat is {max(now - self.heartbeat, 0.0):.0f} s old, gone after "
