@@ -22,6 +22,7 @@ import sys
 import time
 from typing import Any, Final
 
+from .._process.proc import process_stat
 from .._process.wire import BadLine, parse_line
 
 _HEADER: Final = struct.Struct("!Q")  # the length of what follows
@@ -55,13 +56,9 @@ class _Patience:
 
 
 def _cpu_ticks(pid: int) -> int | None:
-    """The user and system CPU time ``pid`` used, in clock ticks (/proc/PID/stat); None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            fields = stat.read().rpartition(b")")[2].split()
-    except OSError:
-        return None
-    return int(fields[11]) + int(fields[12])
+    """The user and system CPU time ``pid`` used, in clock ticks; None when it is gone."""
+    fields = process_stat(pid)
+    return None if fields is None or len(fields) < 13 else int(fields[11]) + int(fields[12])
 
 
 def _wait(fd: int, event: int, patience: _Patience | None) -> None:
@@ -122,9 +119,9 @@ def main() -> None:
         _write_exactly(1, _HEADER.pack(len(data)) + data)
 
 
-# The child imports this file and ``_process.wire`` (the standard library's only) as modules of a
-# package named ``LEAN_PACKAGE`` on the package's folder, so that the package's own ``__init__``
-# (every public name, requests included) is never run there.
+# The child imports this file, ``_process.wire`` and ``_process.proc`` (the standard library's only) as
+# modules of a package named ``LEAN_PACKAGE`` on the package's folder, so that the package's own
+# ``__init__`` (every public name, requests included) is never run there.
 LEAN_PACKAGE: Final = "_swe_flush_parser"
 _CHILD_CODE: Final = f"""import importlib, importlib.machinery, importlib.util, sys
 spec = importlib.machinery.ModuleSpec({LEAN_PACKAGE!r}, None, is_package=True)
