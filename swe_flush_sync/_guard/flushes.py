@@ -162,7 +162,7 @@ class DeathFlushes:
             if report is None or report.ok:
                 if self._metrics is not None and report is not None:
                     self._metrics.death_to_flush.observe(time.monotonic() - retry.died)
-                if report is not None:  # said before its record goes: a guard killed after that leaves the line
+                if report is not None:  # queued before its record goes (the stderr thread writes it)
                     again = f" (attempt {retry.attempt})" if retry.attempt > 1 else ""
                     self._say(f"{who} gone; {report.summary()}{again}")
                 channel.settle(report, now=True)

@@ -17,7 +17,7 @@ import subprocess
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -388,24 +388,26 @@ def _armed_peer(path: str, url: str, number: int, peer: socket.socket | None = N
 
 
 @contextlib.contextmanager
-def _guard_on_a_slow_ledger(stub: AgentServerStub, short_dir: Path, *extra: str) -> Iterator[list[str]]:
+def _guard_on_a_slow_ledger(stub: AgentServerStub, short_dir: Path, *extra: str) -> Iterator[Callable[[], str]]:
     """A guard at ``short_dir/guard.sock`` with its ledger in ``short_dir/ledger``, each of its fsyncs
-    taking 0.3 s (injected by strace); ended by its pid at the block's end, its stderr then in the list."""
-    traced = spawn(["strace", "-f", "--seccomp-bpf", "-qq", "-o", "/dev/null", "-e", "trace=fsync",
-                    "-e", "inject=fsync:delay_enter=300000", PYTHON, "-m", "swe_flush_sync", "guard", "--socket",
-                    str(short_dir / "guard.sock"), "--ledger", str(short_dir / "ledger"), *extra],
-                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=subprocess_env(AGENT_SERVER_URL=stub.url),
-                   start_new_session=True)
+    taking 0.3 s (injected by strace); ended by its pid at the block's end. Yields what its stderr said so
+    far (a file, read while it runs: its lines are written by its own stderr thread)."""
+    err_path = short_dir / "guard.err"
+    with open(err_path, "wb") as err:
+        traced = spawn(["strace", "-f", "--seccomp-bpf", "-qq", "-o", "/dev/null", "-e", "trace=fsync",
+                        "-e", "inject=fsync:delay_enter=300000", PYTHON, "-m", "swe_flush_sync", "guard", "--socket",
+                        str(short_dir / "guard.sock"), "--ledger", str(short_dir / "ledger"), *extra],
+                       stdout=subprocess.PIPE, stderr=err, env=subprocess_env(AGENT_SERVER_URL=stub.url),
+                       start_new_session=True)
     line = read_until(traced, lambda text: text.startswith("guarding"), [])
     assert line is not None
     guard_pid = int(line.rsplit(" ", 1)[1].rstrip(")"))
-    said: list[str] = []
     try:
-        yield said
+        yield lambda: err_path.read_text(errors="replace")
     finally:
         if not gone(guard_pid):
             os.kill(guard_pid, signal.SIGKILL)  # the tracee first: a killed tracer would let it run on
-        said.append(traced.communicate(timeout=10)[1])
+        traced.communicate(timeout=10)
 
 
 @pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace (apt-get install strace)")
@@ -417,7 +419,7 @@ def test_a_record_still_to_be_written_is_neither_given_up_nor_taken(short_dir: P
     flushed."""
     ledger, path = short_dir / "ledger", str(short_dir / "guard.sock")
     peers: list[tuple[socket.socket, int]] = []
-    with AgentServerStub() as stub, _guard_on_a_slow_ledger(stub, short_dir) as err:
+    with AgentServerStub() as stub, _guard_on_a_slow_ledger(stub, short_dir) as said:
         try:
             def trainer(number: int) -> subprocess.Popen[str]:
                 proc = spawn([PYTHON, "-c", RAW_TRAINER, path, _trainer_state(stub.url, number).hex()],
@@ -438,12 +440,13 @@ def test_a_record_still_to_be_written_is_neither_given_up_nor_taken(short_dir: P
             assert wait_until(lambda: disarmed_record not in names() and len(records(ledger)) == 10
                               and not any(".claim-" in name for name in names()), 60.0), names()
             assert [i for i in stub.flushed_ids() if i in ("id-1", "id-2")] == ["id-2"]
+            # by its own retry, once (the line is queued before the record goes, and written soon after)
+            assert wait_until(lambda: re.search(r"gone; flushed 1/1 .*\(attempt 2\)", said()), 10.0), said()
         finally:
             for peer, lock_fd in peers:
                 os.close(lock_fd)
                 peer.close()
-    assert re.search(r"gone; flushed 1/1 .*\(attempt 2\)", err[0]), err  # by its own retry, once
-    assert "taken by a recover" not in err[0] and "recovered" not in err[0], err
+    assert "taken by a recover" not in said() and "recovered" not in said(), said()
 
 
 @pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace (apt-get install strace)")
@@ -454,7 +457,7 @@ def test_the_recovery_pass_never_takes_a_record_whose_removal_waits(short_dir: P
     record would have been put back, and kept for ever)."""
     ledger, path = short_dir / "ledger", str(short_dir / "guard.sock")
     peers: list[tuple[socket.socket, int]] = []
-    with AgentServerStub() as stub, _guard_on_a_slow_ledger(stub, short_dir, "--heartbeat", "0.5") as err:
+    with AgentServerStub() as stub, _guard_on_a_slow_ledger(stub, short_dir, "--heartbeat", "0.5") as said:
         try:
             dying, lock_fd = _armed_peer(path, stub.url, 1)
             assert wait_until(lambda: len(records(ledger)) == 1, 10.0)
@@ -466,12 +469,12 @@ def test_the_recovery_pass_never_takes_a_record_whose_removal_waits(short_dir: P
             assert wait_until(lambda: "id-1" in stub.flushed_ids(), 30.0)
             assert wait_until(lambda: not any(name.startswith(dying_record) for name in os.listdir(ledger)), 30.0)
             assert stub.flushed_ids() == ["id-1"]
+            assert wait_until(lambda: re.search(r"gone; flushed 1/1 .*\(attempt 4\)", said()), 10.0), said()
         finally:
             for peer, lock_fd in peers:
                 os.close(lock_fd)
                 peer.close()
-    assert re.search(r"gone; flushed 1/1 .*\(attempt 4\)", err[0]), err
-    assert "recovered" not in err[0], err
+    assert "recovered" not in said(), said()
 
 
 def test_the_guard_touches_its_lock_files_every_heartbeat(start_guard: StartGuard) -> None:
