@@ -23,8 +23,12 @@ $(VENV)/.installed-bench: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(BIN)/swe-flush demo
 
+# The suite in two parts: the tests that mostly wait, spread over TEST_WORKERS processes (pytest-xdist,
+# one file to a process), then those marked `alone` (they need the machine to themselves), one at a time.
+TEST_WORKERS ?= 4
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not alone"
+	$(BIN)/python -m pytest -m alone
 
 $(VENV)/.installed-lint: $(VENV)/.installed
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,contract,lint]'

@@ -20,6 +20,8 @@ import pytest
 from swe_flush_sync import Watchdog, watchdog
 from swe_flush_sync._hooks import _close_cached_flushers
 from swe_flush_sync._process.proc import process_stat
+from swe_flush_sync._watchdog import api as watchdog_api
+from swe_flush_sync._watchdog import ends as watchdog_ends
 from swe_flush_sync.testing import AgentServerStub
 
 SECRET = "s3cret-token-do-not-leak"
@@ -101,12 +103,20 @@ _watchdog_pids: list[int] = []
 @pytest.fixture(autouse=True)
 def end_watchdogs(reap_children: None) -> Iterator[None]:
     """Every watchdog a test armed is gone after it: killed by its pid if it still runs, before its
-    trainer is reaped (a watchdog that outlived its trainer holds the trainer's stderr while it flushes)."""
+    trainer is reaped (a watchdog that outlived its trainer holds the trainer's stderr while it flushes).
+    A watchdog left armed in this process fails its test: the next test's abort would re-arm it. What
+    a watchdog said and no abort logged yet is forgotten (the next test's abort would log it)."""
     yield
+    watchdog_ends.unsaid.clear()
+    left = list(watchdog_api._watchdogs)
+    for dog in left:
+        _watchdog_pids.append(dog.pid)
+        dog.disarm()
     while _watchdog_pids:
         pid = _watchdog_pids.pop()
         if not gone(pid):
             os.kill(pid, signal.SIGKILL)
+    assert not left, f"the test left {len(left)} watchdog(s) armed in this process"
 
 
 NOTHING_MORE_WINDOW = 1.0  # seconds a negative check watches for what must not happen
