@@ -217,9 +217,21 @@ def stub_factory() -> Iterator:
         server.stop()
 
 
+_earlier: set[threading.Thread] = set()
+
+
+@pytest.fixture(autouse=True)
+def earlier_threads() -> None:
+    """The library threads alive before this test, which ``ours()`` leaves out: an earlier test in this
+    process (pytest-xdist runs files in any order) may keep some (an in-process guard's pools)."""
+    _earlier.clear()
+    _earlier.update(t for t in threading.enumerate() if t.name.startswith("swe-flush"))
+
+
 def ours(threads: list[threading.Thread] | None = None) -> list[threading.Thread]:
-    """Threads the library started (its workers are named swe-flush*)."""
-    return [t for t in (threads or threading.enumerate()) if t.name.startswith("swe-flush") and t.is_alive()]
+    """Threads the library started in this test (its workers are named swe-flush*)."""
+    return [t for t in (threads or threading.enumerate())
+            if t.name.startswith("swe-flush") and t.is_alive() and t not in _earlier]
 
 
 def wait_no_library_threads(timeout: float = 2.0) -> list[threading.Thread]:

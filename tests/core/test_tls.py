@@ -20,7 +20,7 @@ from swe_flush_sync import ConfigError, Flusher, flush
 from swe_flush_sync._core.tls import tls_failure
 from swe_flush_sync.testing import AgentServerStub
 
-from ..conftest import PYTHON, wait_threads_gone
+from ..conftest import PYTHON, ours, wait_threads_gone
 from ..faults.peers import RawPeer
 from ..helpers import Trainer
 
@@ -31,7 +31,7 @@ IDS = ["tls-a", "tls-b"]
 
 def workers() -> list[threading.Thread]:
     """The executors' worker threads (the hooks' standby threads are not theirs)."""
-    return [t for t in threading.enumerate() if t.name.startswith("swe-flush_") and t.is_alive()]
+    return [t for t in ours() if t.name.startswith("swe-flush_")]
 
 
 class Certificates:

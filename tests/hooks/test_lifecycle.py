@@ -17,7 +17,7 @@ import pytest
 from swe_flush_sync import ConfigError, abort, abort_async, flush_at_exit, flush_on_signal
 from swe_flush_sync.testing import AgentServerStub
 
-from ..conftest import PYTHON, SECRET, blocked_in, read_until, spawn, subprocess_env
+from ..conftest import PYTHON, SECRET, blocked_in, ours, read_until, spawn, subprocess_env
 
 IDS = ["inst-a", "inst-b", "inst-c"]
 PRELUDE = """
@@ -325,7 +325,7 @@ def test_exit_flush_logs_its_summary_on_every_python(stub: AgentServerStub) -> N
 
 
 def _standby_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "swe-flush-standby" and t.is_alive()]
+    return [t for t in ours() if t.name == "swe-flush-standby"]
 
 
 def _count_settles(expected: int, timeout: float = 1.0) -> bool:
