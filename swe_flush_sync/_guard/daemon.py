@@ -712,6 +712,8 @@ class Guard:
         if death:
             self.deaths.take(channel)  # owned before it stops counting as connected (see ``take``)
         self.connected.ended(channel)
+        if self._recovery is not None:
+            self._recovery.connection_ended(channel.trainer_pid)
         if handed_over or death:  # a death's pairs wait for their flush outside the budget (live trainers')
             self._handed_over.discard(channel)
             self.budget.release(channel)

@@ -13,6 +13,7 @@ and a predecessor's lockless ones after a grace.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import os
 import select
@@ -219,7 +220,8 @@ class LedgerRecovery:
     """Recovers the ledger's records whose owners are gone, on a daemon thread, until ``stop`` is set:
     at once (a dead trainer's free lock says so), then every ``RECOVER_INTERVAL``, and at once when a
     live trainer of a record that no connection watches exits (up to ``MAX_WATCHED_PIDS`` of them,
-    each held by a pidfd: the kernel's word, never a pid that could be reused); a predecessor's
+    each held by a pidfd: the kernel's word, never a pid that could be reused), and at once when the
+    last connection of a pid whose record it left to that connection ends; a predecessor's
     lockless records only after ``grace`` seconds (its trainers may reconnect meanwhile)."""
 
     def __init__(self, ledger: str, *, grace: float, connected: collections.Counter[str],
@@ -232,6 +234,8 @@ class LedgerRecovery:
         self._started = time.monotonic()
         self._watched: dict[tuple[int, int], int] = {}  # (pid, start time) -> a pidfd of a record's live trainer
         self._unproven: set[str] = set()  # lock files said to prove nothing (once each)
+        self._left: set[int] = set()  # pids whose record was left to their open connection (peers: bounded)
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
 
     def start(self) -> None:
         threading.Thread(target=self._run, name="swe-flush-guard-recover", daemon=True).start()
@@ -263,17 +267,26 @@ class LedgerRecovery:
     def _wait_for_an_exit(self) -> None:
         """Until the next pass is due, a watched trainer exits, or ``stop``; the pidfds are closed after."""
         poller = select.poll()
-        for fd in self._watched.values():
+        for fd in (self._wake, *self._watched.values()):
             poller.register(fd, select.POLLIN)
         due = time.monotonic() + RECOVER_INTERVAL
         try:
             while not self._stop.is_set() and (left := due - time.monotonic()) > 0:
                 if poller.poll(1000 * min(left, STOP_CHECK)):
+                    with contextlib.suppress(BlockingIOError):
+                        os.eventfd_read(self._wake)
                     return
         finally:
             for fd in self._watched.values():
                 os.close(fd)
             self._watched.clear()
+
+    def connection_ended(self, pid: int) -> None:
+        """On the loop, once a connection's end is handled: a pass at once if it was the last one of a
+        pid whose record a pass left to it (a trainer that died before its state was parsed)."""
+        if pid not in self._peer_pids and pid in self._left:
+            self._left.discard(pid)
+            os.eventfd_write(self._wake, 1)
 
     def _watch(self, record: Record) -> None:
         """Hold a pidfd of the record's trainer while it is the live process the record names, here."""
@@ -310,7 +323,10 @@ class LedgerRecovery:
         if record.trainer is not None and (record.trainer in self._connected or self._owns(record.trainer)):
             return False  # guarded by its connection, or its flush or record file I/O is this guard's own
         if record.pid > 0 and record.pid in self._peer_pids and record.place == Place.here():
-            return False
+            self._left.add(record.pid)  # then looked at again: a connection that ended meanwhile saw no mark
+            if record.pid in self._peer_pids:
+                return False
+            self._left.discard(record.pid)
         if gone:
             return True
         self._watch(record)
