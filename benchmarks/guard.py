@@ -12,9 +12,11 @@ per-line bound (32 MiB) at once, and 1,100 idle connections to a guard whose des
 1,024; in each, one trainer is SIGKILLed in the middle of it (the time to its first flush
 request), and the guard's peak RSS and CPU are read from /proc. Then the bounded parts: death to
 first flush request beside 50 peers sending garbage, the guard's threads after 200 deaths whose
-flushes retry, and its memory while 8 states of 28 MiB arrive. Last, fairness by server: a healthy
-server's death to its first flush after 200 deaths on a black-holed server, and after two large
-deaths on a slow one. Writes ``benchmarks/guard.md``.
+flushes retry, and its memory while 8 states of 28 MiB arrive. Then fairness by server: a healthy
+server's death to its first flush after 200 deaths on a server that accepts and never answers,
+and after two large deaths on a slow one. Last, a crowded node: the same after 4 and 16
+black-holed servers x 100 deaths, and a healthy server's ids when every trainer also lists a
+black-holed one. Writes ``benchmarks/guard.md``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import time
 from pathlib import Path
 
 from swe_flush_sync._process.wire import PROTOCOL, encode_state
+from swe_flush_sync._stub import black_holes
 from swe_flush_sync.testing import AgentServerStub
 
 RESULTS = Path(__file__).with_name("guard.md")
@@ -266,6 +269,55 @@ def _fair(folder: str) -> dict[str, float]:
     return rows
 
 
+def _first_flush_ms(path: str, healthy: AgentServerStub, number: int) -> float:
+    """A healthy server's trainer dies now: ms to its first /flush."""
+    healthy.clear_requests()
+    killed = time.monotonic()
+    _held(path, _peer_state([healthy.url], [f"healthy-{number}"], number)).close()
+    end = time.monotonic() + 60
+    while not healthy.requests and time.monotonic() < end:
+        time.sleep(0.001)
+    return (healthy.requests[0].at - killed) * 1000 if healthy.requests else float("nan")
+
+
+def _crowded(folder: str) -> dict[str, str]:
+    """Issue 63's rows, each against a fresh guard: a healthy death's first /flush after 4 and 16
+    black-holed servers x 100 deaths (at once, and 3 s later, once each has failed), and the worst
+    delay of a healthy server's ids from 200 deaths of trainers listing a black-holed server too."""
+    rows: dict[str, str] = {}
+    for holes in (4, 16, 0):
+        path = os.path.join(folder, f"crowded-{holes}.sock")
+        guard = subprocess.Popen([sys.executable, "-m", "swe_flush_sync", "guard", "--socket", path],
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        try:
+            assert guard.stdout is not None and guard.stdout.readline().startswith("guarding ")
+            with black_holes(max(holes, 1)) as urls, AgentServerStub() as healthy:
+                if holes:
+                    for number in range(100 * holes):
+                        _held(path, _peer_state([urls[number % holes]], [f"dead-{number}"], number)).close()
+                    at_once = _first_flush_ms(path, healthy, 100_000)
+                    time.sleep(3.0)
+                    later = max(_first_flush_ms(path, healthy, 100_001 + rep) for rep in range(5))
+                    rows[f"holes-{holes}"] = f"{at_once:.1f} ms / {later:.1f} ms"
+                    continue
+                deaths: dict[str, float] = {}
+                for number in range(200):
+                    deaths[f"both-{number}"] = time.monotonic()
+                    _held(path, _peer_state([urls[0], healthy.url], [f"both-{number}"], number)).close()
+                end = time.monotonic() + 120
+                while len({request.instance_id for request in healthy.requests}) < 200 and time.monotonic() < end:
+                    time.sleep(0.01)
+                firsts: dict[str, float] = {}
+                for request in healthy.requests:
+                    firsts.setdefault(request.instance_id or "", request.at - deaths[request.instance_id or ""])
+                rows["beside"] = (f"{len(firsts)} of 200, the last {max(firsts.values()) * 1000:.0f} ms after its death"
+                                  if firsts else "none")
+        finally:
+            guard.kill()
+            guard.wait()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.guard", description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=5, help="trainer processes killed one after another (max 10)")
@@ -313,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
             hostile = {kind: _hostile(stub, folder, kind) for kind in ("long-lines", "idle")}
             bounded = _bounded(stub, folder)
             fair = _fair(folder)
+            crowded = _crowded(folder)
     finally:
         for process in processes:
             process.kill()
@@ -353,6 +406,15 @@ def main(argv: list[str] | None = None) -> int:
               "| under 0.1 s | 58.0 s |",
               f"| after 2 deaths of 500 ids each on a server taking 3 s per /flush | {fair['slow']:.1f} ms "
               "| under 0.1 s | 11.6 s |"]
+    lines += ["", "A crowded node (each against a fresh guard; 1.2.0 in the last column, from issue 63). A black-holed "
+              "server's connects never complete (a listener whose queue is full).", "",
+              "| case | measured | goal | 1.2.0 |", "|---|---|---|---|",
+              f"| 4 black-holed servers x 100 deaths, then a healthy death: its first /flush at once / the worst of "
+              f"5, 3 s later | {crowded['holes-4']} | under 0.1 s | 17.8-18.1 s |",
+              f"| 16 black-holed servers x 100 deaths, the same | {crowded['holes-16']} | under 0.1 s | |",
+              f"| 200 trainers listing a black-holed X and a healthy H2 (`AGENT_SERVER_URL=X,H2`), SIGKILLed one "
+              f"after another: H2's ids | {crowded['beside']} | each within 1 s of its death "
+              "| 25/50/75/100 % after 41/101/161/221 s |"]
     text = "\n".join(lines) + "\n"
     print(text)
     ns.out.write_text(text)

@@ -16,7 +16,7 @@ import ssl
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -414,3 +414,20 @@ class AgentServerStub:
                 handler.wfile.flush()
         except OSError:
             pass
+
+
+@contextlib.contextmanager
+def black_holes(count: int) -> Iterator[list[str]]:
+    """``count`` servers on 127.0.0.1 whose connects never complete (a listener whose one-place queue
+    is full: the kernel drops every SYN after it, as a firewall that drops packets does); their URLs."""
+    listeners: list[socket.socket] = []
+    fillers: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            listener = socket.create_server(("127.0.0.1", 0), backlog=0)
+            listeners.append(listener)
+            fillers.append(socket.create_connection(listener.getsockname()))
+        yield [f"http://127.0.0.1:{listener.getsockname()[1]}" for listener in listeners]
+    finally:
+        for sock in fillers + listeners:
+            sock.close()

@@ -54,7 +54,7 @@ from .metrics import GuardMetrics
 from .parser import ParserProcess
 from .path_lock import GuardError
 from .pool import DEFAULT_FLUSH_WORKERS
-from .socket_path import PATH_CHECK, PAUSE, SocketPath
+from .socket_path import ACCEPT_BATCH, PATH_CHECK, PAUSE, SocketPath
 
 __all__ = ["DEFAULT_DRAIN", "DEFAULT_MAX_HELD", "TAKEOVER_GRACE", "Guard", "GuardError", "guard_status", "run_guard"]
 
@@ -75,6 +75,8 @@ CLOSE_DRAIN: Final = 5.0  # seconds a closing guard waits for its record writes 
 # and, at the end of its drain, for the deaths' flushes that run (a successor would flush them again)
 HANDOVER_WAIT: Final = 1.0  # seconds a draining guard that holds nothing stays: a successor still starting, or
 # one that dies a moment after it took the listening socket, finds it answering
+ACCEPT_ROUNDS: Final = 16  # batches accepted at most when a recovery pass asks for the listen backlog to be emptied
+ACCEPT_WAIT: Final = 1.0  # seconds a recovery pass waits for that (else it leaves the record to the next pass)
 MAX_QUEUED_LINES: Final = 1000  # stderr lines waiting for a stalled stderr; later ones are dropped
 # The options a trainer hands over: FlushOptions' fields but the bearer (sent as per-id tokens).
 _OPTION_KEYS: Final = frozenset(RecoverOptionKwargs.__optional_keys__) - {"admin_secret", "bearer"}
@@ -228,6 +230,14 @@ class _ToLoop(Generic[T]):
                 return
 
 
+class _BacklogEmptied:
+    """A recovery pass's question to the loop: was every connection waiting to be accepted accepted?"""
+
+    def __init__(self) -> None:
+        self.answered = threading.Event()
+        self.emptied = False
+
+
 class _LongLines:
     """Lines over ``OFFLOAD_BYTES``, parsed in the parser process on a thread of their own; each result
     goes to the loop (``ready``), which is woken."""
@@ -266,7 +276,8 @@ class _GuardLocks:
 
     def open(self) -> None:
         try:
-            self.folder.open()
+            if (untrusted := self.folder.open()) is not None:
+                self._say(f"the lock folder {untrusted} (planted while no guard ran?)")
             self._life = self.folder.create("guard-")
         except OSError as exc:  # without locks, trainers are judged by their connections and heartbeats
             self.folder.close()
@@ -317,6 +328,17 @@ class _GuardLocks:
         finally:
             os.close(fd)
         channel.lock = lock
+
+    def let_go(self, channel: Channel) -> None:
+        """The trainer holds no lock of ours (its descriptor did not arrive, or other code closed it):
+        its record names none from now on, its lock file goes, and it is judged by pid and heartbeat."""
+        lock, channel.lock = channel.lock, None
+        if channel.keeper is not None:
+            channel.keeper.name_locks(self.named(channel))
+        if lock is not None:
+            self._io.submit(functools.partial(self.folder.remove, lock))
+        self._say_once("no lock", f"trainer {channel.who} holds no lock of this guard's (its descriptor did not "
+                                  "arrive, or other code closed it): judged by its pid and heartbeat")
 
     def _reopen(self) -> None:
         """Make the lock folder again, with this guard's own lock (the old one proves nothing now)."""
@@ -580,6 +602,7 @@ class Guard:
         os.set_blocking(self._wake_write, False)  # a full pipe wakes the loop already: a write never waits
         self._long = _LongLines(self._wake_write)
         self._recorded: _ToLoop[Channel] = _ToLoop(self._wake_write)  # (the ledger thread's) a record names a lock
+        self._backlog: _ToLoop[_BacklogEmptied] = _ToLoop(self._wake_write)  # (the recovery thread's) questions
         self.max_peers = 0
         self.socket = SocketPath(path, self.loop, self._accept, self.say, self._lines.say,
                                  _serving)
@@ -592,6 +615,7 @@ class Guard:
         self._recovery = None if ledger is None or records is None else LedgerRecovery(
             ledger, grace=takeover_grace, connected=self.connected.tokens, peer_pids=self.connected.pids,
             owns=lambda token: self.deaths.owns(token) or records.busy(token), stop=self._stop,
+            accept_waiting=self._accept_waiting,
             http=self.deaths.http, say=self.say, say_once=self._lines.say, metrics=self.metrics)
 
     def bind(self) -> None:
@@ -613,6 +637,27 @@ class Guard:
     def _accept(self) -> None:
         for conn in self.socket.accepted():
             self._admit(conn)
+
+    def _accept_waiting(self) -> bool:
+        """(The recovery thread's) Have the loop accept every connection waiting in the listen backlog,
+        and wait for it: a trainer that connected before it died is then a peer. False when that could
+        not be done (accepting paused or passed on, a flood, no answer within ``ACCEPT_WAIT``)."""
+        question = _BacklogEmptied()
+        self._backlog.put(question)
+        return question.answered.wait(ACCEPT_WAIT) and question.emptied
+
+    def _empty_backlog(self) -> bool:
+        """(The loop's) Accept until the listen backlog is empty; False when it may not be."""
+        for _ in range(ACCEPT_ROUNDS):
+            if self.socket.paused_until is not None or self.socket.passed:
+                return False
+            taken = 0
+            for conn in self.socket.accepted():
+                taken += 1
+                self._admit(conn)
+            if taken < ACCEPT_BATCH:
+                return self.socket.paused_until is None and not self.socket.passed
+        return False
 
     def _admit(self, conn: socket.socket) -> None:
         try:
@@ -639,7 +684,7 @@ class Guard:
                           check=functools.partial(self._checked, pid=pid, uid=uid, peer=peer), status=self._status,
                           ledger_io=self._records.submit if self._records is not None else None,
                           locks=self.locks.named, armed=self.locks.give, offload=self._offload,
-                          recorded=self._recorded.put, listener=self._pass_listener)
+                          recorded=self._recorded.put, listener=self._pass_listener, unlocked=self.locks.let_go)
         channel.trainer_start = process_start_time(pid) if pid > 0 else None
         channel.status_only = status_only  # past the peer limit: a liveness probe (or a successor) is still served
         self.budget.admit(channel, peer)
@@ -739,6 +784,9 @@ class Guard:
         for channel in self._recorded.ready():
             if channel in self.loop.channels:
                 channel.tell(RECORDED)
+        for question in self._backlog.ready():
+            question.emptied = self._empty_backlog()
+            question.answered.set()
         if self._stop.is_set() and self._stopping_since is None:
             self._stopping_since = time.monotonic()
             self.socket.hand_over()  # a successor binds at once; until then new trainers arm here, and all
@@ -785,6 +833,7 @@ class Guard:
                 if time.monotonic() >= touched_at + self.heartbeat:
                     touched_at = time.monotonic()
                     self.locks.touch()
+                    self.socket.touch_lock()
         finally:
             self.close()
 

@@ -1,12 +1,13 @@
 """What the guard flushes: the trainers whose connection ended, and the ledger's gone owners.
 
-A dead trainer's flush runs on one of a fixed number of flush workers (``WorkPool``) once its
-liveness lock is free, and is retried with backoff (retries wait on one heap of due times, not
-on threads) until every pair is flushed, the record is no longer the guard's own (a ``recover``
-claimed it) or ``RETRY_GIVE_UP`` passes. Every request goes out on the guard's shared HTTP
-workers, at most ``HTTP_WORKERS`` at once. Both are fair by server (``pool``): a server
-that never answers holds a quarter of each, and the deaths and requests of the others go around
-it. With a ledger, a thread recovers the records whose owners are gone, judged by their locks,
+Once a dead trainer's liveness lock is free, its flush becomes one job per server on a fixed
+number of flush workers (``WorkPool``), each retried with backoff (retries wait on one heap of due
+times, not on threads) until its pairs are flushed, the record is no longer the guard's own (a
+``recover`` claimed it) or ``RETRY_GIVE_UP`` passes; the last server's success settles the death.
+Every request goes out on the guard's shared HTTP workers, at most ``HTTP_WORKERS`` at once, with
+a short connect. Both are fair by server (``pool``): a server that did not answer its last flush
+runs one job at a time, all such servers at most half of the workers, and the deaths and requests
+of the others go around them. With a ledger, a thread recovers the records whose owners are gone, judged by their locks,
 and a predecessor's lockless ones after a grace.
 """
 
@@ -20,20 +21,20 @@ import select
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Final, NamedTuple
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from .._core.errors import ConfigError
 from .._core.failures import unreachable
 from .._core.options import FlushOptions
-from .._core.report import FlushReport
+from .._core.report import FlushReport, FlushResult
 from .._core.resolve import URL_ENV_VARS, resolve_server_urls
-from .._process.liveness import LockFolder, LockState, is_held
+from .._process.liveness import LockFile, LockFolder, LockState, is_held
 from .._process.ownership import Verdict, judge
-from .._process.proc import Place, process_start_time
+from .._process.proc import Place, command_name, holders, process_start_time
 from .._process.record import Record
 from .._process.watch_loop import Channel, flush_state
 from .._recover import recover_with
-from .pool import KeyedWorkers, WorkPool
+from .pool import CONNECT_TIMEOUT, KeyedWorkers, ServerHealth, WorkPool
 
 if TYPE_CHECKING:
     from .metrics import GuardMetrics
@@ -53,12 +54,25 @@ HTTP_WORKERS: Final = 36  # requests in flight at once over all the guard's flus
 
 
 class _Retrying(NamedTuple):
-    """A dead trainer's flush that failed: what is left, since when, and the next delay."""
+    """A dead trainer's flush to one server: its ids left, the attempt and the next delay."""
 
-    pairs: dict[str, tuple[str, ...]] | None  # server -> ids; None: all of them
-    died: float
+    server: str
+    ids: tuple[str, ...]
     attempt: int
     delay: float
+
+
+class _Death:
+    """A dead trainer's flush, one job per server: the servers left, and what the others flushed."""
+
+    def __init__(self, channel: Channel, died: float, servers: dict[str, tuple[str, ...]]) -> None:
+        self.channel, self.died = channel, died
+        self.left = set(servers)  # servers not flushed yet
+        self.results: list[FlushResult] = []  # what the servers flushed
+        self.attempts = 1
+        self.failed = False  # a server's flush failed once: the record says the trainer is gone
+        self.ended = False  # done (flushed, given up, or claimed by a recover)
+        self.lock = threading.Lock()
 
 
 class DeathFlushes:
@@ -77,8 +91,9 @@ class DeathFlushes:
                  lock_folder: LockFolder, release: Callable[[Channel], None],
                  say: Callable[[str], None], say_once: Callable[[str, str], None],
                  metrics: GuardMetrics | None) -> None:
-        self.pool = WorkPool("swe-flush-guard-flush", workers, say)
-        self.http = KeyedWorkers("swe-flush-guard-http", HTTP_WORKERS, say)  # every flush's requests, by server
+        self._health = ServerHealth()  # which servers did not answer their last flush: both pools ask it
+        self.pool = WorkPool("swe-flush-guard-flush", workers, say, self._health)
+        self.http = KeyedWorkers("swe-flush-guard-http", HTTP_WORKERS, say, self._health)  # every flush's requests
         self._connected = connected
         self._lock_folder = lock_folder
         self._release = release
@@ -107,8 +122,7 @@ class DeathFlushes:
 
     def gone(self, channel: Channel) -> None:
         """``channel`` (taken) ended without a disarm: flush its trainer's last state (once its lock is free)."""
-        self.pool.submit(functools.partial(self._flush_once_gone, channel, time.monotonic(), 0.01),
-                         key=_servers(channel, None))
+        self.pool.submit(functools.partial(self._flush_once_gone, channel, time.monotonic(), 0.01))
 
     def owns(self, token: str) -> bool:
         """Is the flush of the trainer with ``token`` this guard's now (run, queued or to be retried)?
@@ -131,64 +145,106 @@ class DeathFlushes:
                 channel.keeper.retired = True
             self._done(channel)
             return
+        if state is LockState.HELD and verdict is Verdict.DEAD and lock is not None:
+            self._say(f"trainer {channel.who} is gone, and its lock is still held{_held_by(lock)}: flushed")
         if verdict is Verdict.ALIVE or (state is LockState.FREE and verdict is Verdict.UNKNOWN):
             if state is LockState.FREE:  # its pid lives: watched until it is gone (pid and start time)
                 self._say_once("let go", f"trainer {channel.who} let its lock go unmarked and lives on (its lock's "
                                          "descriptor closed by other code?): it is flushed once its pid is gone")
             self.pool.submit(functools.partial(self._flush_once_gone, channel, ended,
-                                               min(recheck * 2, LOCK_RECHECK_MAX)), recheck, _servers(channel, None))
+                                               min(recheck * 2, LOCK_RECHECK_MAX)), recheck)
             return
-        self._flush(channel, _Retrying(None, ended, 1, RETRY_FIRST))
+        pairs = _pairs(channel.state)
+        if not pairs:  # nothing to flush: settled at once
+            channel.settle(None, now=True)
+            self._done(channel)
+            return
+        death = _Death(channel, ended, pairs)
+        for server, ids in pairs.items():  # each server its own job: one that fails never holds another's
+            self.pool.submit(functools.partial(self._flush, death, _Retrying(server, ids, 1, RETRY_FIRST)),
+                             key=server)
 
-    def _flush(self, channel: Channel, retry: _Retrying) -> None:
-        """One attempt at a dead trainer's flush, on a flush worker. A failed one is put back on the
-        heap with backoff (``/flush`` is idempotent; 401/403 slowly) until every pair is flushed, the
-        record is no longer the guard's, or ``RETRY_GIVE_UP`` has passed since the death."""
+    def _flush(self, death: _Death, retry: _Retrying) -> None:
+        """One attempt at a dead trainer's flush to one server, on a flush worker. A failed one is put
+        back on the heap with backoff (``/flush`` is idempotent; 401/403 slowly) until it is flushed,
+        the record is no longer the guard's, or ``RETRY_GIVE_UP`` has passed since the death."""
+        channel = death.channel
         who = f"trainer {channel.who}"
         keeper = channel.keeper
+        if death.ended:
+            return
         if retry.attempt > 1 and keeper is not None and keeper.written and not os.path.exists(keeper.path):
-            self._done(channel)  # a recover claimed the record (and flushed it), or it was removed
+            self._end(death)  # a recover claimed the record (and flushed it), or it was removed
             self._say_once("claimed", f"{who}: its record was taken by a recover or removed; retries end")
             return
         try:
-            report = flush_state(channel.state, retry.pairs, max_workers=HTTP_WORKERS, retries=0,  # it retries itself
-                                 workers=self.http)
+            report = flush_state(channel.state, {retry.server: retry.ids}, max_workers=HTTP_WORKERS, retries=0,
+                                 connect_timeout=CONNECT_TIMEOUT, workers=self.http)  # it retries itself
         except Exception as exc:  # noqa: BLE001 - one trainer's failure must not stop the guard
             report, why, refused, away = None, f"the flush failed: {type(exc).__name__}", False, False
+            self._health.heard(retry.server, False)
             if self._metrics is not None:
                 self._metrics.flushed(None)
         else:
+            if report is not None:
+                self._health.heard(retry.server, any(result.status_code is not None for result in report.results))
             if self._metrics is not None and report is not None:
                 self._metrics.flushed(report)
             if report is None or report.ok:
-                if self._metrics is not None and report is not None:
-                    self._metrics.death_to_flush.observe(time.monotonic() - retry.died)
-                if report is not None:  # queued before its record goes (the stderr thread writes it)
-                    again = f" (attempt {retry.attempt})" if retry.attempt > 1 else ""
-                    self._say(f"{who} gone; {report.summary()}{again}")
-                channel.settle(report, now=True)
-                self._done(channel)
+                self._flushed(death, retry, report)
                 return
             failed = [result for result in report.results if not result.ok]
             refused = all(result.status_code in (401, 403) for result in failed)
             away = all(unreachable(result.error) for result in failed)
             why = report.summary()
-            retry = retry._replace(pairs=_failed_pairs(report))
-        if retry.attempt == 1:
+            with death.lock:
+                death.results += [result for result in report.results if result.ok]
+            retry = retry._replace(ids=tuple(result.instance_id for result in failed))
+        with death.lock:
+            first_failure, death.failed = not death.failed, True
+            death.attempts = max(death.attempts, retry.attempt + 1)
+        if first_failure:
             channel.mark_gone()
             self.retrying.add(channel)
         delay = RETRY_REFUSED if refused else RETRY_UNREACHABLE if away else retry.delay
-        if time.monotonic() + delay - retry.died > RETRY_GIVE_UP:
-            self._done(channel)
+        if time.monotonic() + delay - death.died > RETRY_GIVE_UP:
+            self._end(death)
             self._say(f"{who} gone; {why}; gave up retrying after {RETRY_GIVE_UP / 3600:g} h: its record stays "
                       "for recover")
             return
         self._say_once("retrying", f"{who} gone; {why}; retrying in {delay:g} s (every {RETRY_FIRST:g}-"
                                    f"{RETRY_MAX:g} s, {RETRY_UNREACHABLE:g} s while refused, {RETRY_REFUSED:g} s "
                                    "after 401/403) until it is flushed")
-        self.pool.submit(functools.partial(self._flush, channel, retry._replace(
+        self.pool.submit(functools.partial(self._flush, death, retry._replace(
             attempt=retry.attempt + 1, delay=retry.delay if away else min(retry.delay * 2, RETRY_MAX))), delay,
-            _servers(channel, retry.pairs))
+            retry.server)
+
+    def _flushed(self, death: _Death, retry: _Retrying, report: FlushReport | None) -> None:
+        """One server flushed; the last one settles the death: its line, its metric, its record removed."""
+        with death.lock:
+            death.left.discard(retry.server)
+            if report is not None:
+                death.results += report.results
+            if death.left or death.ended:
+                return
+            death.ended = True
+        channel = death.channel
+        whole = FlushReport(results=tuple(death.results), elapsed=time.monotonic() - death.died)
+        if self._metrics is not None:
+            self._metrics.death_to_flush.observe(time.monotonic() - death.died)
+        if whole.results:  # queued before its record goes (the stderr thread writes it)
+            again = f" (attempt {death.attempts})" if death.attempts > 1 else ""
+            self._say(f"trainer {channel.who} gone; {whole.summary()}{again}")
+        channel.settle(whole, now=True)
+        self._done(channel)
+
+    def _end(self, death: _Death) -> None:
+        """The death is done without a flush of every server (claimed, given up): its other jobs end."""
+        with death.lock:
+            if death.ended:
+                return
+            death.ended = True
+        self._done(death.channel)
 
     def _done(self, channel: Channel) -> None:
         self.retrying.discard(channel)
@@ -202,18 +258,17 @@ class DeathFlushes:
         self._release(channel)
 
 
-def _servers(channel: Channel, pairs: dict[str, tuple[str, ...]] | None) -> tuple[str, ...]:
-    """The servers a dead trainer's flush (``pairs``, None: all) goes to: its key in the flush workers."""
-    return tuple(pairs) if pairs is not None else tuple((channel.state or {}).get("urls") or ())
+def _held_by(lock: LockFile) -> str:
+    """Who holds a dead trainer's lock, where ``/proc`` shows it (for the operator's line)."""
+    pids = holders(lock.inode)
+    named = [f"pid {pid} ({command_name(pid) or '?'})" for pid in pids[:4]]
+    return f" by {', '.join(named)}{' and others' if len(pids) > 4 else ''}" if named else ""
 
 
-def _failed_pairs(report: FlushReport) -> dict[str, tuple[str, ...]]:
-    """Server -> the ids whose flush did not succeed."""
-    failed: dict[str, list[str]] = {}
-    for result in report.results:
-        if not result.ok:
-            failed.setdefault(result.server_url, []).append(result.instance_id)
-    return {url: tuple(ids) for url, ids in failed.items()}
+def _pairs(state: dict[str, Any] | None) -> dict[str, tuple[str, ...]]:
+    """Server -> the ids a dead trainer's state names (none without ids or servers)."""
+    ids = tuple((state or {}).get("ids") or ())
+    return {url: ids for url in (state or {}).get("urls") or ()} if ids else {}
 
 
 class LedgerRecovery:
@@ -226,10 +281,10 @@ class LedgerRecovery:
 
     def __init__(self, ledger: str, *, grace: float, connected: collections.Counter[str],
                  peer_pids: collections.Counter[int], owns: Callable[[str], bool], stop: threading.Event,
-                 http: KeyedWorkers, say: Callable[[str], None],
+                 accept_waiting: Callable[[], bool], http: KeyedWorkers, say: Callable[[str], None],
                  say_once: Callable[[str, str], None], metrics: GuardMetrics | None) -> None:
         self._ledger, self._grace, self._connected, self._stop, self._http = ledger, grace, connected, stop, http
-        self._owns, self._peer_pids = owns, peer_pids
+        self._owns, self._peer_pids, self._accept_waiting = owns, peer_pids, accept_waiting
         self._say, self._say_once, self._metrics = say, say_once, metrics
         self._started = time.monotonic()
         self._watched: dict[tuple[int, int], int] = {}  # (pid, start time) -> a pidfd of a record's live trainer
@@ -315,18 +370,31 @@ class LedgerRecovery:
         self._say(f"recovered {records} record(s) of trainers gone; {report.summary()}")
 
     def _judge(self, record: Record, gone: bool) -> bool:
-        """A trainer connected to this guard is never gone (nor one whose pid here has a connection open:
-        its state may wait for the parser, and the connection's end is this guard's to judge); a record
-        that names a trainer's lock is as the lock says, else (the file gone or replaced) as its pids and
-        heartbeat say; a lockless predecessor's record (its guard gone, here) whose trainer has not
-        reconnected within the grace is gone, whatever its heartbeat says."""
+        """Is the record's trainer gone, and its flush this pass's? Never while a connection to this
+        guard guards it (``_guarded_here``); and a trainer judged gone may have connected just before it
+        died, its connection still waiting in the listen backlog (a trainer killed as it re-arms with a
+        successor): every waiting connection is accepted first, then the record is looked at again."""
+        if self._guarded_here(record) or not self._gone(record, gone):
+            return False
+        return self._accept_waiting() and not self._guarded_here(record)
+
+    def _guarded_here(self, record: Record) -> bool:
+        """A trainer connected to this guard, or whose flush or record file I/O is this guard's own, is
+        guarded here; so is one whose pid here has a connection open (its state may wait for the parser,
+        and the connection's end is this guard's to judge)."""
         if record.trainer is not None and (record.trainer in self._connected or self._owns(record.trainer)):
-            return False  # guarded by its connection, or its flush or record file I/O is this guard's own
+            return True
         if record.pid > 0 and record.pid in self._peer_pids and record.place == Place.here():
             self._left.add(record.pid)  # then looked at again: a connection that ended meanwhile saw no mark
             if record.pid in self._peer_pids:
-                return False
+                return True
             self._left.discard(record.pid)
+        return False
+
+    def _gone(self, record: Record, gone: bool) -> bool:
+        """A record that names a trainer's lock is as the lock says, else (the file gone or replaced) as
+        its pids and heartbeat say (``gone``); a lockless predecessor's record (its guard gone, here)
+        whose trainer has not reconnected within the grace is gone, whatever its heartbeat says."""
         if gone:
             return True
         self._watch(record)

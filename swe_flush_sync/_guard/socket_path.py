@@ -95,6 +95,13 @@ class SocketPath:
         self._take_path()
         self._listen()
 
+    def touch_lock(self) -> None:
+        """Keep ``PATH.lock`` fresh (every heartbeat), so that an age-based tmp cleaner never removes it
+        and lets a second guard take the path while this one is stopped."""
+        if self._lock_fd is not None:
+            with contextlib.suppress(OSError):
+                os.utime(self._lock_fd)
+
     def accepted(self) -> Iterator[socket.socket]:
         """The connections waiting (a batch); at EMFILE and the like, accepting pauses for ``PAUSE``."""
         for _ in range(ACCEPT_BATCH):
@@ -302,7 +309,7 @@ def _receive_listener(path: str) -> tuple[socket.socket, socket.socket, tuple[in
     try:
         sock.sendall(b'{"listener": true}\n')
         while not data.endswith(b"\n") and not fds and select.select([sock], [], [], INHERIT_TIMEOUT)[0]:
-            chunk, passed = receive_with_fds(sock.fileno(), 256)
+            chunk, passed, _ = receive_with_fds(sock.fileno(), 256)
             fds += passed
             if not chunk:
                 break

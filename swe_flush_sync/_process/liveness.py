@@ -23,6 +23,7 @@ import fcntl
 import os
 import secrets
 import stat
+import tempfile
 from enum import Enum
 from typing import Final, NamedTuple
 
@@ -89,14 +90,35 @@ class LockFolder:
         self.path = path
         self._fd: int | None = None
 
-    def open(self) -> None:
-        """Make (0700) or open the folder and check it. ``OSError`` (its message says why) when it cannot be used."""
+    def open(self) -> str | None:
+        """Make (0700) or open the folder and check it. One that may not be believed (another uid's, a
+        link, open to others: planted while no guard ran) is moved aside and made afresh, or, where
+        it cannot be moved (a sticky folder), a fresh folder with a random name beside it is used:
+        what moved aside, or the fresh folder's name, is returned for the guard to say. ``OSError``
+        (its message says why) when no folder can be used."""
         with contextlib.suppress(FileExistsError):
             os.mkdir(self.path, 0o700)
-        fd = _open_folder(self.path)
+        said = None
+        try:
+            fd = _open_folder(self.path)
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.EACCES, errno.ELOOP, errno.ENOTDIR):
+                raise
+            original, aside = self.path, f"{self.path}.untrusted-{secrets.token_hex(4)}"
+            why = exc.strerror if exc.errno == errno.EPERM else f"{original} cannot be opened ({exc.strerror})"
+            try:
+                os.rename(original, aside)
+                os.mkdir(original, 0o700)
+                said = f"{why}: moved aside to {aside}, and made afresh"
+            except OSError:
+                self.path = tempfile.mkdtemp(prefix=os.path.basename(original) + ".",
+                                             dir=os.path.dirname(original) or ".")
+                said = f"{why}, and cannot be moved aside: this guard's lock files are in {self.path}"
+            fd = _open_folder(self.path)
         with contextlib.suppress(OSError):
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         self._fd = fd
+        return said
 
     def create(self, prefix: str) -> tuple[int, LockFile]:
         """A new lock file (a random name after ``prefix``, 0600), exclusively locked: its descriptor

@@ -15,6 +15,9 @@ reads the lock, never a timer:
 - **A free lock is a death only while the pid is not alive here.** A free, unmarked lock whose
   trainer (pid and start time, in this host, boot and PID namespace) still runs proves nothing
   (``judge``): the trainer is judged by its pids and heartbeat, as a lockless one is.
+- **A held lock is life only while the pid may be alive.** A lock still held once the trainer's pid
+  is proven gone here (a child that kept the descriptor, another process of its uid that took the
+  file) is a death: the guard says who holds it and flushes.
 - **A guard judges only the trainers whose connection ended on it** without a disarm, and stops at a
   lock marked ``handed`` or a live pid: the trainer is another guard's now. One that it closed at the
   end of its drain (handed over) it never judges.
@@ -49,8 +52,9 @@ MAX_PREVIOUS_LOCKS: Final = 4  # older locks a trainer keeps until a guard says 
 class Verdict(Enum):
     """What a trainer's lock (and pid, where it can be seen) lets a judge conclude."""
 
-    ALIVE = "alive"  # its lock is held
-    DEAD = "dead"  # its lock is free and unmarked, and its pid is not alive here (or cannot be seen)
+    ALIVE = "alive"  # its lock is held (and its pid alive here, or unseen)
+    DEAD = "dead"  # its lock is free and unmarked, and its pid is not alive here (or cannot be seen); or
+    # its lock is held and its pid is proven gone (pid and start time): the holder outlived the trainer
     DISARMED = "disarmed"  # it disarmed before it let its lock go: never flushed; its record may go
     HANDED = "handed"  # it let this lock go for a newer guard's: not a death of this lock's guard
     UNKNOWN = "unknown"  # nothing proven: judged by its pids and heartbeat
@@ -58,8 +62,8 @@ class Verdict(Enum):
 
 def judge(lock: LockState, pid_alive: bool | None) -> Verdict:
     """The verdict on a trainer from its lock's state and whether its pid is alive here (None: unseen)."""
-    if lock is LockState.HELD:
-        return Verdict.ALIVE
+    if lock is LockState.HELD:  # ... by the trainer, unless its pid is proven gone: then by a process that
+        return Verdict.DEAD if pid_alive is False else Verdict.ALIVE  # outlived it (a child, one of its uid)
     if lock is LockState.DISARMED:
         return Verdict.DISARMED
     if lock is LockState.HANDED:

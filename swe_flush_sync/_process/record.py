@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypedDict
 
 from .._core.errors import ConfigError
 from .._core.resolve import normalize_instance_ids, normalize_server_urls
@@ -231,6 +231,21 @@ def _field(raw: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any
     return value
 
 
+class _LockFields(TypedDict):
+    """A record's fields that name the trainer's lock and its guard's."""
+
+    trainer_lock: str | None
+    trainer_lock_inode: str | None
+    guard_lock: str | None
+    guard_lock_inode: str | None
+
+
+def _lock_fields(locks: Mapping[str, LockFile | None]) -> _LockFields:
+    trainer, guard = locks.get("trainer_lock"), locks.get("guard_lock")
+    return _LockFields(trainer_lock=_path(trainer), trainer_lock_inode=_inode(trainer), guard_lock=_path(guard),
+                       guard_lock_inode=_inode(guard))
+
+
 def _path(lock: LockFile | None) -> str | None:
     return lock.path if lock is not None else None
 
@@ -251,10 +266,7 @@ class RecordKeeper:
         self._base = Record(urls=(), ids=(), place=Place.here(), pid=trainer_pid,
                             start_time=process_start_time(trainer_pid) if trainer_pid > 0 else None,
                             watchdog_pid=me, watchdog_start_time=process_start_time(me), heartbeat=0.0,
-                            heartbeat_interval=heartbeat, trainer=token,
-                            trainer_lock=_path(locks.get("trainer_lock")),
-                            trainer_lock_inode=_inode(locks.get("trainer_lock")),
-                            guard_lock=_path(locks.get("guard_lock")), guard_lock_inode=_inode(locks.get("guard_lock")))
+                            heartbeat_interval=heartbeat, trainer=token, **_lock_fields(locks))
         self.heartbeat = heartbeat
         self.gone = False  # the trainer is gone and its flush has not succeeded yet: any recover may take it
         self.written = False  # the record was written once (a missing one was then removed or claimed)
@@ -268,6 +280,10 @@ class RecordKeeper:
             name = f"{host}.{trainer_pid}.{self._base.start_time or 0}.{me}{RECORD_SUFFIX}"
         self.path = os.path.join(folder, name)
         self._state: Mapping[str, Any] = {}
+
+    def name_locks(self, locks: Mapping[str, LockFile | None]) -> None:
+        """The locks the next ``write`` names (a trainer that holds none of its guard's any more)."""
+        self._base = dataclasses.replace(self._base, **_lock_fields(locks))
 
     def update(self, state: Mapping[str, Any]) -> None:
         """The state the next ``write`` records."""

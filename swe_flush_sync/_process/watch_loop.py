@@ -88,7 +88,8 @@ class Channel:
                  armed: Callable[[Channel], None] | None = None,
                  offload: Callable[[Channel, bytearray], None] | None = None,
                  recorded: Callable[[Channel], None] | None = None,
-                 listener: Callable[[Channel], None] | None = None) -> None:
+                 listener: Callable[[Channel], None] | None = None,
+                 unlocked: Callable[[Channel], None] | None = None) -> None:
         self.read_fd = read_fd
         self.reply_fd = reply_fd
         self.trainer_pid = trainer_pid  # as this process's PID namespace sees it: 0 from another one
@@ -105,6 +106,7 @@ class Channel:
         self.lock_recorded = False  # a record naming ``lock`` was written (the trainer was told ``recorded``)
         self._recorded = recorded  # a guard: called (on its ledger thread) once a record names ``lock``
         self._listener = listener  # a guard: a successor asks for the listening socket
+        self._unlocked = unlocked  # a guard: the trainer says it holds no lock of ours (lock_fd false)
         self.status_only = False  # a guard's connection past its peer limit: a status query or a successor's only
         self.trainer_start: int | None = None  # the trainer's start time, where its pid can be seen here
         self._offload = offload  # a guard parses lines over OFFLOAD_BYTES on a worker: the loop never waits on one
@@ -240,6 +242,8 @@ class Channel:
         self.state = state
         if first and self._armed is not None:
             self._armed(self)
+        elif self.lock is not None and state.get("lock_fd") is False and self._unlocked is not None:
+            self._unlocked(self)  # before the record is written again: it names no lock from now on
         self.keep_record(state)  # first: once watchdog() or refresh() returns, recover() can see it
         if first and self.keeper is not None:
             self._run_ledger_io(self.keeper.remove_older)
@@ -312,10 +316,10 @@ class Channel:
 
 
 def flush_state(state: dict[str, Any] | None, pairs: Mapping[str, tuple[str, ...]] | None = None, *,
-                max_workers: int | None = None, retries: int | None = None,
+                max_workers: int | None = None, retries: int | None = None, connect_timeout: float | None = None,
                 workers: Runner | None = None) -> FlushReport | None:
     """Flush a channel's last ``state`` (or its ``pairs``: server -> ids) without logging; None when there
-    were none. ``max_workers`` caps the requests in flight, ``retries`` replaces the trainer's,
+    were none. ``max_workers`` and ``connect_timeout`` cap the trainer's, ``retries`` replaces its,
     ``workers`` send them (a guard's shared HTTP workers)."""
     if state is None or not state.get("ids") or not state.get("urls"):
         return None
@@ -330,6 +334,8 @@ def flush_state(state: dict[str, Any] | None, pairs: Mapping[str, tuple[str, ...
         options["max_workers"] = min(options.get("max_workers") or max_workers, max_workers)
     if retries is not None:
         options["retries"] = retries
+    if connect_timeout is not None:
+        options["connect_timeout"] = min(options.get("connect_timeout") or connect_timeout, connect_timeout)
     groups: Mapping[tuple[str, ...], Iterable[str]] = {tuple(state["urls"]): state["ids"]} if pairs is None \
         else {(url,): ids for url, ids in pairs.items()}
     return flush_groups(groups, FlushOptions(**options, linger=0.0), workers)

@@ -97,19 +97,21 @@ def send_with_fd(sock_fd: int, data: bytes, passed: int) -> None:
         sock.detach()
 
 
-def receive_with_fds(sock_fd: int, size: int) -> tuple[bytes, list[int]]:
-    """What can be read from the Unix socket ``sock_fd``, and the descriptors passed with it (made
-    close-on-exec as they arrive). ``BlockingIOError`` when nothing waits."""
+def receive_with_fds(sock_fd: int, size: int) -> tuple[bytes, list[int], bool]:
+    """What can be read from the Unix socket ``sock_fd``, the descriptors passed with it (made
+    close-on-exec as they arrive), and whether some were lost (``MSG_CTRUNC``: the kernel found no
+    free descriptor, or no room, for them). ``BlockingIOError`` when nothing waits."""
     sock = socket.socket(fileno=sock_fd)
     try:
-        data, ancillary, _, _ = sock.recvmsg(size, socket.CMSG_SPACE(MAX_PASSED_FDS * 4), socket.MSG_CMSG_CLOEXEC)
+        data, ancillary, flags, _ = sock.recvmsg(size, socket.CMSG_SPACE(MAX_PASSED_FDS * 4),
+                                                 socket.MSG_CMSG_CLOEXEC)
     finally:
         sock.detach()
     fds = array.array("i")
     for level, kind, payload in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
-    return data, list(fds)
+    return data, list(fds), bool(flags & socket.MSG_CTRUNC)
 
 
 def write_all(fd: int, data: bytes) -> None:

@@ -8,6 +8,7 @@ hooks disarm the watchdogs whose pairs they flushed, so each pair is flushed onc
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -16,6 +17,7 @@ import socket
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
 
@@ -131,6 +133,16 @@ class Watchdog:
         """True while the watchdog process lives (or the guard's connection is open), armed or not."""
         with link_module.LOCK:
             return self._link.talk()
+
+    @property
+    def lock_held(self) -> bool:
+        """True while this trainer holds the liveness lock its guard passed it: its death is then
+        proven by the kernel at once, also across a restart of the guard. False for a local watchdog
+        process, or when that lock did not arrive (no free descriptor) or other code closed it: the
+        guard then judges the trainer by its pid and heartbeat (``watchdog`` warns)."""
+        with link_module.LOCK:
+            newest = self._link.locks.newest
+            return self._end.wants_lock and newest is not None and newest.ours()
 
     @property
     def armed(self) -> bool:
@@ -269,6 +281,8 @@ class Watchdog:
                     break
             self._end.opened(held, process, payload, time.monotonic() - started,
                              max(started + patience - time.monotonic(), 0.0))
+            if self._link.lock_missing:  # the guard's lock did not arrive: the state says it holds none
+                self._refresh(max(started + patience - time.monotonic(), SEND_TIMEOUT))
         except BaseException:
             self._end.release()
             raise
@@ -280,7 +294,8 @@ class Watchdog:
             self._end.release()
 
     def __repr__(self) -> str:
-        return f"Watchdog(pid={self.pid}, armed={self.armed}, ledger={self.ledger!r})"
+        held = f", lock_held={self.lock_held}" if self.guard is not None else ""
+        return f"Watchdog(pid={self.pid}, armed={self.armed}{held}, ledger={self.ledger!r})"
 
 
 def _absolute(paths: str | tuple[str, str] | None) -> str | list[str] | None:
@@ -395,6 +410,12 @@ def watchdog(args: Any, *, guard: str | None = None, environ: Mapping[str, str] 
                 if keeper in _watchdogs:
                     _watchdogs.remove(keeper)
             raise
+        if keeper._link.lock_missing:
+            with contextlib.suppress(Warning):  # "-W error": arming still never raises for it
+                warnings.warn(f"watchdog: armed with the guard at {shown(socket_path or '')}, but the lock it passed "
+                              "did not arrive (no free descriptor: raise RLIMIT_NOFILE): this trainer is judged by "
+                              "its pid and heartbeat, and a guard restarted while it is stopped may take it for dead",
+                              UserWarning, stacklevel=2)
         return keeper
 
 

@@ -46,12 +46,16 @@ _ends: weakref.WeakSet[End] = weakref.WeakSet()  # a forked child forgets them a
 class End:
     """What a watchdog's far end does at each point of its life; the base does nothing."""
 
-    wants_lock = False  # asks its far end for a lock to hold (a guard's: see _liveness)
     reconnects = False  # arming tries again when the far end goes away before it held the state
 
     def __init__(self, link: Link) -> None:
         self.link = link
         _ends.add(self)
+
+    @property
+    def wants_lock(self) -> bool:
+        """Does the state ask the far end for a lock to hold (a guard's: see ``_process.liveness``)?"""
+        return False
 
     def prepare(self) -> None:
         """Before the first state is built."""
@@ -179,7 +183,6 @@ class GuardEnd(End):
     The guard passes a lock with its first word; the link holds it until a disarm (a newer guard's
     replaces it)."""
 
-    wants_lock = True
     reconnects = True
 
     def __init__(self, link: Link, path: str, token: str) -> None:
@@ -189,6 +192,22 @@ class GuardEnd(End):
         self._reconnecting = threading.Lock()  # one reconnect at a time (the follower thread, refresh, abort)
         self._following: threading.Event | None = None  # set to end the follower thread
         self._said: set[str] = set()  # warnings said once (until a reconnect succeeds)
+
+    @property
+    def wants_lock(self) -> bool:
+        """Asks for a lock, unless this connection's did not arrive (no free descriptor) or other code
+        closed it: the state then says the trainer holds none, and the guard judges it by its pid
+        and heartbeat until it connects again (said once)."""
+        with link_module.LOCK:
+            link = self.link
+            newest = link.locks.newest
+            if newest is not None and not link.lock_missing and not newest.ours():
+                link.lock_missing = True
+                self._say_once("lock closed", f"other code closed the descriptor of the lock the guard at "
+                                              f"{shown(self.path)} passed this trainer (os.closerange, a daemonizing "
+                                              "library?): it is judged by its pid and heartbeat until it connects "
+                                              "again")
+            return not link.lock_missing
 
     def open(self, patience: float) -> None:
         """Connect, trying for up to ``patience`` (a sidecar may start later); ``FlushError`` (or

@@ -113,6 +113,7 @@ class Link:
         self._passes_fds = False  # the ready end is a guard's socket: read with the descriptors it passes
         self._passed: list[Fd] = []  # descriptors passed, not yet named by a word
         self.locks = HeldLocks()  # the locks guards passed ("lock"), held while this process lives (see ownership)
+        self.lock_missing = False  # this connection's lock did not arrive (or other code closed it): none asked
         _links.add(self)
 
     @property
@@ -134,7 +135,7 @@ class Link:
         """Use these fresh ends (non-blocking): nothing is owed to them yet. ``passes_fds``: ``ready``
         is a guard's socket, which passes lock descriptors."""
         self._control, self._ready, self.held, self._inbox, self._cut = control, ready, self.seq, b"", False
-        self._passes_fds = passes_fds
+        self._passes_fds, self.lock_missing = passes_fds, False
         HEARD.notify_all()
 
     def queue(self, payload: bytes, pairs: frozenset[tuple[str, str]]) -> None:
@@ -197,7 +198,11 @@ class Link:
         if not FORK_LOCK.acquire(blocking=False):
             raise BlockingIOError
         try:
-            chunk, fds = receive_with_fds(ready.fd, 4096)
+            chunk, fds, truncated = receive_with_fds(ready.fd, 4096)
+            if truncated:  # descriptors lost (no free one here): none of this read's is held; its lock
+                for fd in fds:  # word finds none, and the trainer says so (``lock_missing``)
+                    os.close(fd)
+                fds = []
             self._passed.extend(Fd(fd) for fd in fds)
         finally:
             FORK_LOCK.release()
@@ -214,6 +219,8 @@ class Link:
         elif word == LOCK_WORD:  # the newest lock; the one before is kept until this one is on record
             if self._passed:
                 self.locks.take(self._passed.pop(0))
+            else:  # its descriptor did not arrive: the trainer says so in its next state (see lock_wanted)
+                self.lock_missing = True
         elif word == RECORDED:  # the newest lock's guard wrote the record naming it: the older ones go
             self.locks.recorded()
         elif word == REFUSED:

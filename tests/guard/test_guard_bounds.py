@@ -24,7 +24,7 @@ import pytest
 from swe_flush_sync import recover
 from swe_flush_sync._guard import flushes as flushes_module
 from swe_flush_sync._guard.daemon import Guard as GuardDaemon
-from swe_flush_sync._guard.flushes import _Retrying
+from swe_flush_sync._guard.flushes import _Death, _Retrying
 from swe_flush_sync._guard.pool import DEFAULT_FLUSH_WORKERS
 from swe_flush_sync.testing import AgentServerStub
 
@@ -152,7 +152,8 @@ def test_a_record_a_recover_took_ends_its_retries(short_dir: Path, monkeypatch: 
 
     channel = Dead()
     daemon.deaths._flushing.add(channel)  # type: ignore[arg-type]
-    daemon.deaths._flush(channel, _Retrying(None, time.monotonic(), 2, 2.0))  # type: ignore[arg-type]
+    death = _Death(channel, time.monotonic(), {"http://127.0.0.1:9": ("a",)})  # type: ignore[arg-type]
+    daemon.deaths._flush(death, _Retrying("http://127.0.0.1:9", ("a",), 2, 2.0))
     assert flushed == [] and daemon.deaths.count() == 0
 
 

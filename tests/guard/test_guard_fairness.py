@@ -17,7 +17,8 @@ import pytest
 
 from swe_flush_sync._core.outcome import Outcome
 from swe_flush_sync._guard.parser import PARSE_TIMEOUT, ParserProcess
-from swe_flush_sync._guard.pool import KeyedWorkers, WorkPool
+from swe_flush_sync._guard.pool import KeyedWorkers, ServerHealth, WorkPool
+from swe_flush_sync._stub import black_holes
 from swe_flush_sync.testing import AgentServerStub
 
 from ..conftest import HungServer, StartGuard, gone, wait_until
@@ -66,6 +67,47 @@ def test_large_trainers_on_a_slow_server_never_delay_another_servers_flush(start
         guard.proc.wait(10)
 
 
+def test_deaths_on_four_black_holed_servers_never_delay_another_servers_flush(start_guard: StartGuard) -> None:
+    """1.2 gave every server a quarter of the 16 flush workers whatever the others did: 4 black-holed
+    servers held all 16 until their deaths' deadlines, and a healthy server's death waited 17.8-18.1 s
+    for its first /flush. A server whose flush got no answer now runs one job at a time, and all such
+    servers at most half the workers."""
+    guard = start_guard()
+    with black_holes(4) as holes, AgentServerStub() as healthy:
+        for number in range(4 * 25):
+            _dies_holding(guard.socket, a_state(urls=[holes[number % 4]], ids=[f"dead-{number}"],
+                                                trainer=f"{number:032x}",
+                                                options={"until_idle": False, "deadline": 30.0}))
+        for rep in range(3):  # at once, then while their retries fall due
+            healthy.clear_requests()
+            died = _dies_holding(guard.socket, a_state(urls=[healthy.url], ids=[f"healthy-{rep}"],
+                                                       trainer=f"{rep:x}" * 32))
+            assert _first_flush_after(healthy, died) < BOUND
+            assert wait_until(lambda rep=rep: healthy.flushed_ids() == [f"healthy-{rep}"], 10.0)
+    guard.proc.kill()  # its retries of the black holes would keep a drain waiting
+    guard.proc.wait(10)
+
+
+def test_a_healthy_server_beside_a_black_holed_one_is_flushed_at_each_death(start_guard: StartGuard) -> None:
+    """Trainers listing a black-holed X and a healthy H2 (``AGENT_SERVER_URL=X,H2``): 1.2 keyed a death by
+    both servers and held one worker for both until the deadline, and H2 got its ids minutes late
+    (25/50/75/100 % after 41/101/161/221 s of 200 deaths). Each server is now a job of its own."""
+    guard = start_guard()
+    with black_holes(1) as [hole], AgentServerStub() as healthy:
+        deaths: dict[str, float] = {}
+        for number in range(60):
+            name = f"both-{number}"
+            deaths[name] = _dies_holding(guard.socket, a_state(urls=[hole, healthy.url], ids=[name],
+                                                               trainer=f"{number:032x}",
+                                                               options={"until_idle": False, "deadline": 20.0}))
+        assert wait_until(lambda: len(set(healthy.flushed_ids())) == len(deaths), 30.0), len(healthy.flushed_ids())
+        late = {request.instance_id: request.at - deaths[request.instance_id] for request in healthy.requests
+                if request.at - deaths[request.instance_id] >= BOUND}
+        assert late == {}
+    guard.proc.kill()
+    guard.proc.wait(10)
+
+
 def test_the_pool_keeps_a_share_idle_for_other_keys_and_runs_fresh_jobs_before_due_ones() -> None:
     """The scheduler itself: 4 workers, a share of 1. A crowd of one key takes 3 (one stays idle), a
     later key takes that one at once, and the crowd's retry fallen due waits behind its fresh jobs."""
@@ -94,6 +136,38 @@ def test_the_pool_keeps_a_share_idle_for_other_keys_and_runs_fresh_jobs_before_d
     assert wait_until(lambda: len(started) == 8 and len(pool) == 0 and not any(running.values()), 10.0)
     assert most == {"crowd": 3, "late": 1}
     assert started.index("crowd-retry") > started.index("crowd-5")  # fresh jobs first
+
+
+def test_servers_that_did_not_answer_run_one_job_each_and_half_the_workers_at_most() -> None:
+    """The scheduler's rule for servers whose last flush got no answer (``ServerHealth``): six of them,
+    three jobs each, on 8 workers: one job each, 4 at once in all; a server that answers runs at once."""
+    health = ServerHealth()
+    pool = WorkPool("test-silent", 8, lambda line: None, health)
+    running: dict[str, int] = {}
+    most: dict[str, int] = {}
+    lock, gate = threading.Lock(), threading.Event()
+    peak = [0]
+
+    def job(key: str) -> None:
+        with lock:
+            running[key] = running.get(key, 0) + 1
+            most[key] = max(most.get(key, 0), running[key])
+            peak[0] = max(peak[0], sum(count for name, count in running.items() if name != "answers"))
+        gate.wait(10)
+        with lock:
+            running[key] -= 1
+
+    silent = [f"http://silent-{number}" for number in range(6)]
+    for key in silent:
+        health.heard(key, False)
+        for _ in range(3):
+            pool.submit(lambda key=key: job(key), key=key)
+    assert wait_until(lambda: sum(running.values()) == 4, 5.0)
+    pool.submit(lambda: job("answers"), key="answers")
+    assert wait_until(lambda: running.get("answers") == 1, 5.0)
+    gate.set()
+    assert wait_until(lambda: len(pool) == 0 and not any(running.values()), 10.0)
+    assert peak[0] == 4 and all(most[key] == 1 for key in silent), (peak, most)
 
 
 def _parser_pid(guard_pid: int) -> int:

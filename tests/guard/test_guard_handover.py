@@ -248,7 +248,7 @@ def test_a_recover_during_a_hand_over_never_flushes_the_live_trainer(stub: Agent
             print("PASSES", passes, flush=True)
         """)
         recover = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", PYTHON, "-c",
-                                  recovering], capture_output=True, text=True, timeout=60,
+                                  recovering], capture_output=True, text=True, timeout=30,
                                  env=subprocess_env(), cwd="/")
         assert recover.returncode == 0 and "PASSES" in recover.stdout, recover
         trainer.go_on("pid")
@@ -469,3 +469,66 @@ def test_a_trainer_that_dies_while_the_successor_parses_its_state_is_flushed_onc
         trainer.proc.send_signal(signal.SIGCONT)
         trainer.proc.kill()
         _end(first, *([successor] if successor else []))
+
+
+ONE_PASS_BEFORE_THE_ACCEPT = """
+import hashlib, json, os, subprocess, sys, threading, time
+from swe_flush_sync._core.options import FlushOptions
+from swe_flush_sync._guard.daemon import Guard
+from swe_flush_sync._process.proc import Place
+from swe_flush_sync._process.record import GUARD_RECORD_PREFIX, RECORD_SUFFIX
+from swe_flush_sync._recover import recover_with
+
+path, ledger, url, token = sys.argv[1:5]
+guard = Guard(path, ledger=ledger)
+guard.bind()  # the loop has not run: what connects now waits in the listen backlog
+state = {"urls": [url], "ids": ["backlog-1"], "tokens": {"backlog-1": os.environ["HARBOR_ADMIN_SECRET"]},
+         "options": {"until_idle": False}, "trainer": token}
+line = json.dumps({"seq": 1, "v": %(protocol)d, "state": state}) + "\\n"
+trainer = subprocess.Popen([sys.executable, "-c", "import socket, sys; peer = socket.socket(socket.AF_UNIX); "
+                            "peer.connect(sys.argv[1]); peer.sendall(sys.argv[2].encode())", path, line])
+trainer.wait()  # it re-armed (connected, sent its state) and died: a dead pid, a connection not yet accepted
+place = Place.here()
+record = {"version": 1, "urls": [url], "ids": ["backlog-1"], "host": place.host, "boot_id": place.boot_id,
+          "pid_ns": place.pid_ns, "pid": trainer.pid, "start_time": None, "watchdog_pid": trainer.pid,
+          "heartbeat": time.time() - 3600, "heartbeat_interval": 1.0,
+          "trainer": hashlib.sha256(token.encode()).hexdigest()}  # the old guard's record, its guard gone
+name = os.path.join(ledger, GUARD_RECORD_PREFIX + record["trainer"] + RECORD_SUFFIX)
+with open(os.open(name, os.O_WRONLY | os.O_CREAT, 0o600), "w") as out:
+    json.dump(record, out)
+claimed, judging = [], threading.Event()
+
+def judge(record, gone):
+    judging.set()
+    return guard._recovery._judge(record, gone)
+
+options = FlushOptions(until_idle=True, linger=0.0)
+recovery = threading.Thread(target=recover_with, args=(ledger, None, os.environ, options),
+                            kwargs={"judge": judge, "on_claimed": claimed.append, "quiet": True,
+                                    "workers": guard.deaths.http})
+recovery.start()  # one recovery pass: the loop turns once it judges the record
+judging.wait()
+while recovery.is_alive() or trainer.pid in guard.connected.pids or guard.deaths.count():
+    guard.loop.run_once(0.05)
+print("CLAIMED", sum(claimed), flush=True)
+guard.close()
+os._exit(0)
+"""
+
+
+def test_a_trainer_killed_as_it_re_arms_is_flushed_once_not_by_a_pass_and_its_connection(
+        stub: AgentServerStub, short_dir: Path) -> None:
+    """The trainer connected to a fresh successor, sent its state and was killed before the successor
+    accepted the connection; the successor's recovery pass then found its record (the old guard's, its
+    trainer dead) and flushed it, and the connection, accepted a moment later, ended with a state: a
+    second flush (the rolling soak's plain form, 1 of 161 deaths). The pass now has every waiting
+    connection accepted before it judges a trainer gone, and leaves this one to its connection."""
+    path, ledger = short_dir / "guard.sock", short_dir / "ledger"
+    ledger.mkdir(mode=0o700)
+    out = subprocess.run([PYTHON, "-c", ONE_PASS_BEFORE_THE_ACCEPT % {"protocol": PROTOCOL}, str(path), str(ledger),
+                          stub.url, "ab" * 16], capture_output=True, text=True, timeout=30,
+                         env={**subprocess_env(), "AGENT_SERVER_URL": stub.url, "HARBOR_ADMIN_SECRET": SECRET})
+    assert out.returncode == 0, out.stderr
+    assert "CLAIMED 0" in out.stdout, out.stdout + out.stderr
+    assert stub.flushed_ids() == ["backlog-1"], out.stderr  # by its connection's end, once
+    assert records(ledger) == []

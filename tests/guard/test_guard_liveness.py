@@ -478,7 +478,9 @@ def test_the_recovery_pass_never_takes_a_record_whose_removal_waits(short_dir: P
 
 
 def test_the_guard_touches_its_lock_files_every_heartbeat(start_guard: StartGuard) -> None:
-    """An age-based cleaner (``systemd-tmpfiles``' age) never finds the lock files of a long-lived guard old."""
+    """An age-based cleaner (``systemd-tmpfiles``' age) never finds the lock files of a long-lived guard old,
+    nor its path's lock (1.2 left ``PATH.lock`` to age: a cleaner removed it, and a second guard started
+    while the first was stopped)."""
     guard = start_guard("--heartbeat", "0.5")
     locks = Path(guard.socket + ".locks")
     with connect(guard.socket) as peer:
@@ -487,6 +489,7 @@ def test_the_guard_touches_its_lock_files_every_heartbeat(start_guard: StartGuar
         assert said.startswith(b"lock\nheld") and len(fds) == 1, said
         names = [locks / name for name in os.listdir(locks)]
         assert len(names) == 2  # the trainer's and the guard's own
+        names.append(Path(guard.socket + ".lock"))  # the path's lock (a second guard would start without it)
         for path in [locks, *names]:
             os.utime(path, (0, 0))  # as old as a cleaner could wish
         assert wait_until(lambda: all(path.stat().st_mtime > time.time() - 60 for path in [locks, *names]), 10.0)
@@ -654,3 +657,157 @@ def test_a_disarm_is_kept_when_the_guard_dies_before_removing_the_record(short_d
             if successor is not None:
                 successor.kill()
                 successor.communicate(timeout=10)
+
+
+def test_a_lock_held_after_its_trainer_died_is_a_death_said_with_its_holder(stub: AgentServerStub,
+                                                                             start_guard: StartGuard) -> None:
+    """The trainer forked with libc's ``fork()`` (no at-fork hook closed the child's copy of its lock), and
+    was killed; the child closed the rest and holds the lock on. 1.2 read the held lock as life and
+    checked it again for as long as the child lived, saying nothing; now the trainer's pid is proven
+    gone (pid and start time), so the death is flushed and the guard names who holds the lock."""
+    guard = start_guard()
+    trainer = Trainer(stub, f"""
+        import contextlib, ctypes
+        dog = watchdog(args, guard={guard.socket!r}, until_idle=False)
+        print("ARMED", dog.pid, flush=True)
+        child = ctypes.PyDLL(None).fork()  # the GIL kept through the call: the child runs on alone
+        if child == 0:  # it keeps the lock and closes the rest (the guard's socket too), as a daemon would
+            for fd in os.listdir("/proc/self/fd"):
+                with contextlib.suppress(OSError):
+                    if ".locks/" not in os.readlink(f"/proc/self/fd/{{fd}}"):
+                        os.close(int(fd))
+            while True:
+                time.sleep(1)
+        print("CHILD", child, flush=True)
+        time.sleep(600)
+    """, AGENT_SERVER_URL=stub.url)
+    trainer.armed()
+    child = int(trainer.read("CHILD")[1])
+    try:
+        trainer.proc.kill()
+        assert wait_until(lambda: sorted(stub.flushed_ids()) == ["wd-a", "wd-b", "wd-c"], 20.0), stub.flushed_ids()
+        assert gone(trainer.proc.pid) and not gone(child)  # flushed while the holder lives
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+    guard.proc.terminate()
+    said = guard.stderr()
+    assert f"is gone, and its lock is still held by pid {child} (python" in said, said
+
+
+def _trainer_lock_named(ledger: Path) -> list[str | None]:
+    return [json.loads(path.read_text()).get("trainer_lock") for path in records(ledger)]
+
+
+def test_a_trainer_whose_lock_did_not_arrive_is_armed_judged_by_pid_and_says_so(stub: AgentServerStub,
+                                                                                 start_guard: StartGuard,
+                                                                                 short_dir: Path) -> None:
+    """At its descriptor limit (one number free: the socket takes it), the guard's lock cannot arrive
+    (``MSG_CTRUNC``). 1.2 returned armed with no lock held, and the guard's record named the lock anyway: a
+    free lock, which a restarted guard that cannot see the trainer's pid (a sidecar) takes for a death.
+    Now the trainer says it holds none: the record names no lock, and both sides say so."""
+    ledger = short_dir / "ledger"
+    guard = start_guard("--ledger", str(ledger))
+    trainer = Trainer(stub, f"""
+        import warnings
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(int(fd) for fd in os.listdir("/proc/self/fd")) + 64, hard))
+        filler = []
+        try:
+            while True:
+                filler.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            os.close(filler.pop())  # one number free
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            dog = watchdog(args, guard={guard.socket!r}, until_idle=False)
+        print("ARMED", dog.pid, getattr(dog, "lock_held", None), [str(warning.message) for warning in said], flush=True)
+        sys.stdin.readline()
+        dog.disarm()
+    """, stdin=True)
+    try:
+        words = trainer.read("ARMED")
+        assert wait_until(lambda: _trainer_lock_named(ledger) == [None], 10.0), _trainer_lock_named(ledger)
+        assert words[2] == "False" and "did not arrive" in " ".join(words[3:]), words
+        trainer.go_on()
+        assert wait_until(lambda: records(ledger) == [], 10.0)
+    finally:
+        trainer.proc.kill()
+    guard.proc.terminate()
+    assert "holds no lock of this guard's (its descriptor did not arrive" in guard.stderr()
+    assert stub.flushed_ids() == []
+
+
+def test_a_trainer_whose_lock_other_code_closed_says_so_at_its_next_refresh(stub: AgentServerStub,
+                                                                             start_guard: StartGuard,
+                                                                             short_dir: Path) -> None:
+    """A library closed the lock's descriptor (as ``os.closerange`` would, the socket spared). 1.2 noticed
+    nothing, and the record named a free lock; now the next refresh says the trainer holds none."""
+    ledger = short_dir / "ledger"
+    guard = start_guard("--ledger", str(ledger))
+    trainer = Trainer(stub, f"""
+        dog = watchdog(args, guard={guard.socket!r}, until_idle=False)
+        print("ARMED", dog.pid, getattr(dog, "lock_held", True), flush=True)
+        sys.stdin.readline()
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                if ".locks/" in os.readlink(f"/proc/self/fd/{{fd}}"):
+                    os.close(int(fd))
+            except OSError:
+                pass
+        dog.refresh()
+        print("REFRESHED", getattr(dog, "lock_held", None), flush=True)
+        sys.stdin.readline()
+        dog.disarm()
+    """, stdin=True)
+    try:
+        assert trainer.read("ARMED")[2] == "True"
+        assert wait_until(lambda: len(_trainer_lock_named(ledger)) == 1 and _trainer_lock_named(ledger)[0], 10.0)
+        trainer.go_on()
+        trainer.read("REFRESHED")
+        assert wait_until(lambda: _trainer_lock_named(ledger) == [None], 10.0), _trainer_lock_named(ledger)
+        assert trainer.lines[-1].split()[1] == "False", trainer.lines
+        trainer.go_on()
+        assert wait_until(lambda: records(ledger) == [], 10.0)
+    finally:
+        trainer.proc.kill()
+    guard.proc.terminate()
+    assert "holds no lock of this guard's" in guard.stderr()
+    assert stub.flushed_ids() == []
+
+
+@needs_root
+def test_a_lock_folder_another_uid_planted_is_moved_aside_not_a_reason_to_go_lockless(stub: AgentServerStub,
+                                                                                    start_guard: StartGuard,
+                                                                                    short_dir: Path) -> None:
+    """While no guard ran, another uid put a folder of its own at ``PATH.locks``. 1.2's guard could not
+    believe it and judged every trainer lockless (by its connection, and a successor by pids and
+    heartbeats: 2 of 2); now it moves the folder aside, makes its own, and trainers hold locks again."""
+    run = short_dir / "run"
+    run.mkdir(mode=0o777)
+    planted = run / "guard.sock.locks"
+    planted.mkdir(mode=0o700)
+    os.chown(planted, OTHER_UID, OTHER_UID)
+    ledger = short_dir / "ledger"
+    guard = start_guard("--ledger", str(ledger))
+    trainer = Trainer(stub, f"""
+        dog = watchdog(args, guard={guard.socket!r}, until_idle=False)
+        print("ARMED", dog.pid, getattr(dog, "lock_held", None), flush=True)
+        sys.stdin.readline()
+        dog.disarm()
+    """, stdin=True)
+    try:
+        trainer.read("ARMED")
+        assert wait_until(lambda: _trainer_lock_named(ledger) != [], 10.0)
+        [named] = _trainer_lock_named(ledger)
+        assert named is not None and os.path.dirname(named) == str(planted), named
+        assert os.stat(planted).st_uid == os.geteuid()
+        [aside] = [path for path in run.iterdir() if path.name.startswith("guard.sock.locks.untrusted-")]
+        assert aside.stat().st_uid == OTHER_UID
+        assert trainer.lines[-1].split()[2] == "True"
+        trainer.go_on()
+        assert wait_until(lambda: records(ledger) == [], 10.0)
+    finally:
+        trainer.proc.kill()
+    guard.proc.terminate()
+    assert f"the lock folder {planted} is owned by uid {OTHER_UID}" in guard.stderr()

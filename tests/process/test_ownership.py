@@ -6,9 +6,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,7 +57,9 @@ def _dead_pid() -> tuple[int, int]:
 
 
 def test_the_verdicts() -> None:
-    assert judge(LockState.HELD, False) is Verdict.ALIVE
+    assert judge(LockState.HELD, True) is Verdict.ALIVE
+    assert judge(LockState.HELD, None) is Verdict.ALIVE  # a pid it cannot see: the lock is all it knows
+    assert judge(LockState.HELD, False) is Verdict.DEAD  # the holder outlived the trainer's pid
     assert judge(LockState.FREE, False) is Verdict.DEAD
     assert judge(LockState.FREE, None) is Verdict.DEAD
     assert judge(LockState.FREE, True) is Verdict.UNKNOWN  # let go by a live trainer: no death
@@ -182,3 +186,40 @@ def test_a_lock_whose_word_was_not_read_is_held_and_marked_at_a_disarm(folder: L
         assert lock_state(lock) is LockState.HELD  # held as the newest lock: this trainer may be on record by it
         link.release_lock()  # the disarm
         assert lock_state(lock) is LockState.DISARMED
+
+
+@pytest.fixture
+def shared() -> Iterator[Path]:
+    """A sticky folder every uid may write (as /tmp), reachable by every uid."""
+    folder = Path(tempfile.mkdtemp(prefix="sfs-shared-", dir="/tmp"))
+    folder.chmod(0o1777)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (processes of two other uids)")
+def test_a_lock_folder_planted_where_it_cannot_be_moved_gives_way_to_a_fresh_private_one(
+        shared: Path) -> None:
+    """In a sticky folder, a guard of uid B cannot move aside the ``PATH.locks`` uid A planted there: it
+    keeps its lock files in a fresh folder with a random name instead (1.2: none, every trainer lockless)."""
+    planted = shared / "g.sock.locks"
+    planted.mkdir(mode=0o700)
+    os.chown(planted, 4242, 4242)
+    child = os.fork()
+    if child == 0:  # uid B
+        code = 1
+        try:
+            os.setgid(4243)
+            os.setuid(4243)
+            folder = LockFolder(str(planted))
+            said = folder.open()
+            _held, lock = folder.create("guard-")
+            info = os.stat(folder.path)
+            code = 0 if (said and "cannot be moved aside" in said and folder.path != str(planted)
+                         and os.path.dirname(lock.path) == folder.path and info.st_uid == 4243
+                         and info.st_mode & 0o777 == 0o700 and lock_state(lock) is LockState.HELD) else 3
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert os.stat(planted).st_uid == 4242  # left where it was

@@ -113,8 +113,11 @@ def test_the_locks_decide_before_pids_and_heartbeats(tmp_path: Path) -> None:
                         guard_lock=guard and guard.path, guard_lock_inode=guard and guard.inode, **changes)
 
     held, trainer_lock = folder.create("trainer-")
-    try:  # a trainer whose lock is held lives, whatever its pid and heartbeat say
-        assert not naming(trainer_lock, **gone_here).owner_gone(here, now)
+    try:  # a trainer whose lock is held lives, however old its heartbeat, while its pid cannot be seen
+        assert not naming(trainer_lock, place=Place("elsewhere", None, None), heartbeat=now - 3600).owner_gone(here,
+                                                                                                             now)
+        # ... and not once its pid is proven gone here: the holder outlived it
+        assert naming(trainer_lock, **gone_here).owner_gone(here, now)
         assert folder.state(trainer_lock) is LockState.HELD
     finally:
         os.close(held)
