@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import functools
 import json
 import os
 import threading
@@ -67,23 +68,28 @@ class Record:
     deadline: float | None = None  # seconds its keeper's flush takes at most (the trainer's ``deadline``)
     set_aside: str | None = None
 
-    def write(self, path: str, still_wanted: Callable[[], bool] = lambda: True) -> None:
+    def write(self, path: str, still_wanted: Callable[[], bool] = lambda: True,
+              commit: Callable[[Callable[[], None]], bool] | None = None) -> None:
         """Write it to ``path`` atomically: a temporary file beside it, fsync, rename, fsync the folder;
-        not renamed (the temporary file removed) when ``still_wanted()`` says no after the fsync."""
+        not renamed (the temporary file removed) when ``still_wanted()`` says no after the fsync.
+        ``commit(rename)``, where given, renames (or not: False) under its keeper's lock, so that a
+        removal waits for a rename, never for an fsync on a slow volume."""
         fields = {"version": RECORD_VERSION, **dataclasses.asdict(self), **dataclasses.asdict(self.place)}
         del fields["place"], fields["set_aside"]
         folder = os.path.dirname(path) or "."
-        temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+        temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")  # (one writer a record)
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.write(fd, json.dumps(fields).encode())
             os.fsync(fd)
         finally:
             os.close(fd)
-        if not still_wanted():  # (an fsync on a slow volume takes long: its keeper may have let it go meanwhile)
+        rename = functools.partial(os.replace, temporary, path)
+        if not still_wanted() or (commit is not None and not commit(rename)):  # (its keeper let it go meanwhile)
             os.unlink(temporary)
             return
-        os.replace(temporary, path)
+        if commit is None:
+            rename()
         with contextlib.suppress(OSError):
             dir_fd = os.open(folder, os.O_RDONLY)
             try:
@@ -297,11 +303,19 @@ class RecordKeeper:
         record = dataclasses.replace(self._base, urls=tuple(state.get("urls", ())), ids=tuple(state.get("ids", ())),
                                      heartbeat=time.time(), gone=self.gone,
                                      deadline=float(deadline) if isinstance(deadline, (int, float)) else None)
+        if self.removed or self.retired:
+            return
+        record.write(self.path, commit=self._commit)
+
+    def _commit(self, rename: Callable[[], None]) -> bool:
+        """Rename a written record into place unless it was removed or let go meanwhile (under the
+        lock a removal takes: a removal never waits for a write's fsync, and no write comes after it)."""
         with self._io:
             if self.removed or self.retired:
-                return
-            record.write(self.path, lambda: not self.retired)
+                return False
+            rename()
             self.written = True
+            return True
 
     def remove(self) -> None:
         """Remove the record for good: a write queued before this writes nothing after it."""
