@@ -303,10 +303,10 @@ def recover(ledger: str, *, servers: str | Iterable[str] | None = None, environ:
 
 def recover_with(ledger: str, servers: str | Iterable[str] | None, environ: Mapping[str, str] | None,
                  flush_options: FlushOptions, judge: Judge | None = None,
-                 on_claimed: Callable[[int], None] | None = None, quiet: bool = False,
+                 on_claimed: Callable[[list[Record]], None] | None = None, quiet: bool = False,
                  workers: Runner | None = None) -> FlushReport:
     """``recover`` with built options and a guard's hooks: ``judge`` of which records are gone,
-    ``on_claimed`` told how many were flushed and settled, ``quiet`` (no log) and ``workers``."""
+    ``on_claimed`` told which records were flushed and settled, ``quiet`` (no log) and ``workers``."""
     report = _recover(ledger, servers, environ, flush_options, judge, on_claimed, workers)
     if not quiet and (report.results or report.error):
         log_report(report)
@@ -315,7 +315,7 @@ def recover_with(ledger: str, servers: str | Iterable[str] | None, environ: Mapp
 
 def _recover(ledger: str, servers: str | Iterable[str] | None, environ: Mapping[str, str] | None,
              flush_options: FlushOptions, judge: Judge | None,
-             on_claimed: Callable[[int], None] | None, workers: Runner | None) -> FlushReport:
+             on_claimed: Callable[[list[Record]], None] | None, workers: Runner | None) -> FlushReport:
     if not isinstance(ledger, str) or not ledger.strip() or "\0" in ledger:
         raise ConfigError("ledger must be a directory path (a non-empty str)")
     env = os.environ if environ is None else environ
@@ -350,7 +350,7 @@ def _recover(ledger: str, servers: str | Iterable[str] | None, environ: Mapping[
     report = flush_groups(groups, flush_options, workers)
     set_aside = book.settle(claimed, report)
     if on_claimed is not None:
-        on_claimed(len(claimed))  # after the flush and the records settled
+        on_claimed([record for _, record in claimed])  # after the flush and the records settled
     skipped = book.skipped()
     return FlushReport(results=report.results, elapsed=time.monotonic() - started,
                        error="; ".join([*set_aside, *([skipped] if skipped else [])]) or None, left_alone=left_alone)

@@ -302,12 +302,12 @@ class LedgerRecovery:
                       "guarding goes on")
         options = FlushOptions(until_idle=True, linger=0.0)
         while not self._stop.is_set():
-            claimed: list[int] = []
+            claimed: list[list[Record]] = []
             started = time.monotonic()
             try:
                 report = recover_with(self._ledger, None, os.environ, options, judge=self._judge,
                                       on_claimed=claimed.append, quiet=True, workers=self._http)
-                if claimed:
+                if claimed and claimed[0]:
                     self._said_recovered(claimed[0], report, started)
                 elif report.error:
                     self._say_once("recover", f"recovering the ledger: {report.error}")
@@ -358,16 +358,19 @@ class LedgerRecovery:
             return
         self._watched[key] = fd
 
-    def _said_recovered(self, records: int, report: FlushReport, started: float) -> None:
-        """A recover pass that claimed records: a line like a trainer's death, and the flush metrics (each
-        record's death flushed ``started``, when the pass began: a watched trainer's exit starts it)."""
+    def _said_recovered(self, records: list[Record], report: FlushReport, started: float) -> None:
+        """A recover pass that claimed records: a line like a trainer's death (naming up to 4 of them),
+        and the flush metrics (each record's death flushed ``started``, when the pass began: a watched
+        trainer's exit starts it)."""
         if self._metrics is not None:
-            self._metrics.recovered.inc(records)
+            self._metrics.recovered.inc(len(records))
             self._metrics.flushed(report)
             if report.ok:
-                for _ in range(records):
+                for _ in records:
                     self._metrics.death_to_flush.observe(time.monotonic() - started)
-        self._say(f"recovered {records} record(s) of trainers gone; {report.summary()}")
+        named = ", ".join(f"pid {record.pid}" + (f" (record {record.trainer[:8]})" if record.trainer else "")
+                          for record in records[:4]) + (" and others" if len(records) > 4 else "")
+        self._say(f"recovered {len(records)} record(s) of trainers gone ({named}); {report.summary()}")
 
     def _judge(self, record: Record, gone: bool) -> bool:
         """Is the record's trainer gone, and its flush this pass's? Never while a connection to this

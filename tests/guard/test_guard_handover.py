@@ -510,7 +510,7 @@ recovery.start()  # one recovery pass: the loop turns once it judges the record
 judging.wait()
 while recovery.is_alive() or trainer.pid in guard.connected.pids or guard.deaths.count():
     guard.loop.run_once(0.05)
-print("CLAIMED", sum(claimed), flush=True)
+print("CLAIMED", sum(map(len, claimed)), flush=True)
 guard.close()
 os._exit(0)
 """

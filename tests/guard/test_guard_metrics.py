@@ -3,6 +3,7 @@ deaths, and checked against the stub's own counts. Every guard and trainer is a 
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import urllib.request
@@ -99,7 +100,7 @@ def test_recovered_records_are_counted(stub: AgentServerStub, start_guard: Start
     guard.proc.terminate()
     assert guard.proc.wait(15) == 0
     err = guard.stderr()  # and said in one line
-    assert err.count("recovered 1 record(s) of trainers gone; flushed 2/2 targets") == 1, err
+    assert len(re.findall(r"recovered 1 record\(s\) of trainers gone \(pid \d+\); flushed 2/2 targets", err)) == 1, err
 
 
 def test_without_the_extra_the_guard_says_what_to_install(short_dir: Path) -> None:
