@@ -188,6 +188,20 @@ def test_a_lock_whose_word_was_not_read_is_held_and_marked_at_a_disarm(folder: L
         assert lock_state(lock) is LockState.DISARMED
 
 
+AS_ANOTHER_UID = """
+import os, sys
+from swe_flush_sync._process.liveness import LockFolder, LockState, lock_state
+os.setgid(4243)  # uid B, everything it needs imported first (the interpreter's files may be root's only)
+os.setuid(4243)
+folder = LockFolder(sys.argv[1])
+said = folder.open()
+_, lock = folder.create("guard-")
+info = os.stat(folder.path)
+print(said, folder.path, os.path.dirname(lock.path), info.st_uid, oct(info.st_mode & 0o777),
+      lock_state(lock) is LockState.HELD, sep="\\n")
+"""
+
+
 @pytest.fixture
 def shared() -> Iterator[Path]:
     """A sticky folder every uid may write (as /tmp), reachable by every uid."""
@@ -205,21 +219,10 @@ def test_a_lock_folder_planted_where_it_cannot_be_moved_gives_way_to_a_fresh_pri
     planted = shared / "g.sock.locks"
     planted.mkdir(mode=0o700)
     os.chown(planted, 4242, 4242)
-    child = os.fork()
-    if child == 0:  # uid B
-        code = 1
-        try:
-            os.setgid(4243)
-            os.setuid(4243)
-            folder = LockFolder(str(planted))
-            said = folder.open()
-            _held, lock = folder.create("guard-")
-            info = os.stat(folder.path)
-            code = 0 if (said and "cannot be moved aside" in said and folder.path != str(planted)
-                         and os.path.dirname(lock.path) == folder.path and info.st_uid == 4243
-                         and info.st_mode & 0o777 == 0o700 and lock_state(lock) is LockState.HELD) else 3
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(child, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    out = subprocess.run([sys.executable, "-c", AS_ANOTHER_UID, str(planted)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    said, path, lock_dir, uid, mode, held = out.stdout.split("\n")[:6]
+    assert "cannot be moved aside" in said and path != str(planted) and lock_dir == path, out.stdout
+    assert (uid, mode, held) == ("4243", "0o700", "True"), out.stdout
     assert os.stat(planted).st_uid == 4242  # left where it was
