@@ -14,6 +14,7 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -122,6 +123,16 @@ def port_held(port: int) -> Iterator[None]:
 
 def records(folder: Path) -> list[Path]:
     return sorted(path for path in folder.iterdir() if path.name.endswith(".json"))
+
+
+def read_records(folder: Path) -> list[dict[str, Any]]:
+    """The records in ``folder`` as they are now; one removed or claimed (renamed) between the listing and
+    its reading is left out, as a guard or ``recover`` may do at any moment."""
+    read = []
+    for path in records(folder):
+        with contextlib.suppress(FileNotFoundError):
+            read.append(json.loads(path.read_text()))
+    return read
 
 
 def write_record(folder: Path, name: str, ids: list[object], url: str, *, host: str = "elsewhere",

@@ -42,6 +42,7 @@ from ..helpers import (
     namespace_init,
     needs_root,
     needs_unshare,
+    read_records,
     records,
     state_line,
     write_record,
@@ -248,7 +249,7 @@ def _guard_in_its_own_namespace(path: str, ledger: Path, *extra: str) -> tuple[s
 
 
 def _record_keepers(ledger: Path) -> list[str | None]:
-    return sorted(str(json.loads(r.read_text()).get("guard_lock")) for r in records(ledger))
+    return sorted(str(record.get("guard_lock")) for record in read_records(ledger))
 
 
 LONG_STEP = """

@@ -40,6 +40,7 @@ from ..helpers import (
     needs_root,
     needs_unshare,
     port_held,
+    read_records,
     records,
     state_line,
 )
@@ -530,7 +531,7 @@ def test_a_server_that_refused_through_a_death_is_flushed_within_a_second_of_its
 
 
 def ledger_record_gone(ledger: Path) -> bool:
-    return any(json.loads(path.read_text()).get("gone") for path in records(ledger))
+    return any(record.get("gone") for record in read_records(ledger))
 
 
 def test_the_path_is_taken_back_however_many_tries_fail(start_guard: StartGuard) -> None:
@@ -696,7 +697,7 @@ def test_a_lock_held_after_its_trainer_died_is_a_death_said_with_its_holder(stub
 
 
 def _trainer_lock_named(ledger: Path) -> list[str | None]:
-    return [json.loads(path.read_text()).get("trainer_lock") for path in records(ledger)]
+    return [record.get("trainer_lock") for record in read_records(ledger)]
 
 
 def test_a_trainer_whose_lock_did_not_arrive_is_armed_judged_by_pid_and_says_so(stub: AgentServerStub,

@@ -54,6 +54,7 @@ from ..helpers import (
     needs_root,
     needs_unshare,
     port_held,
+    read_records,
     records,
     state_line,
 )
@@ -378,8 +379,8 @@ def test_a_guard_restart_takes_over_live_trainers_and_flushes_the_dead(stub: Age
     restarted = time.monotonic()
 
     def kept_by_second() -> bool:
-        return any(json.loads(r.read_text()).get("watchdog_pid") == second.proc.pid and
-                   json.loads(r.read_text()).get("ids") == ["long-a", "long-b"] for r in records(ledger))
+        return any(record.get("watchdog_pid") == second.proc.pid and record.get("ids") == ["long-a", "long-b"]
+                   for record in read_records(ledger))
 
     assert wait_until(kept_by_second, 15.0)  # the live trainer reconnected: its record taken over
     assert wait_until(lambda: sorted(stub.flushed_ids()) == ["dies-a", "dies-b"], grace + 1.0 + 2.0)
@@ -404,7 +405,7 @@ def test_a_server_down_at_the_death_is_flushed_once_it_is_back(short_dir: Path,
     first.stop()  # the agent server is down ...
 
     def marked_gone() -> bool:
-        return any(json.loads(r.read_text()).get("gone") is True for r in records(ledger))
+        return any(record.get("gone") is True for record in read_records(ledger))
 
     with port_held(port):
         trainer.proc.kill()  # ... when the trainer dies
