@@ -111,8 +111,9 @@ def test_429_retry_after_seconds(stub: AgentServerStub, promises: Promises) -> N
 
 
 def test_429_retry_after_http_date(stub: AgentServerStub, promises: Promises) -> None:
-    stub.fault("bad", statuses=[429], retry_after=email.utils.formatdate(time.time() + 2, usegmt=True))
-    result = flush_one(stub, promises, deadline=4)
+    # An HTTP date has whole seconds: 3 s past the current whole second is 2-3 s from now, never under 0.9.
+    stub.fault("bad", statuses=[429], retry_after=email.utils.formatdate(int(time.time()) + 3, usegmt=True))
+    result = flush_one(stub, promises, deadline=5)
     first, second = [r for r in stub.requests if r.instance_id == "bad"]
     assert result.ok and result.attempts == 2 and second.at - first.at >= 0.9
 
