@@ -230,29 +230,25 @@ class _ToLoop(Generic[T]):
                 return
 
 
-class _BacklogEmptied:
-    """A recovery pass's question to the loop: was every connection waiting to be accepted accepted?"""
-
-    def __init__(self) -> None:
-        self.answered = threading.Event()
-        self.emptied = False
-
-
 class _LongLines:
     """Lines over ``OFFLOAD_BYTES``, parsed in the parser process on a thread of their own; each result
     goes to the loop (``ready``), which is woken."""
 
-    def __init__(self, wake: int) -> None:
+    def __init__(self, wake: int, loop: WatchLoop, budget: _HeldBudget) -> None:
         self.process = ParserProcess()
         self._thread = _SerialWorker("swe-flush-guard-parse")
         self._parsed: _ToLoop[tuple[Channel, dict[str, Any] | BadLine, int]] = _ToLoop(wake)
+        self._loop, self._budget = loop, budget
 
-    def submit(self, channel: Channel, line: bytearray) -> None:
-        self._thread.submit(functools.partial(self._parse, channel, line))
-
-    def refuse(self, channel: Channel, why: str, size: int) -> None:
-        """A line refused unparsed (past the held states' budget)."""
-        self._parsed.put((channel, BadLine(why), size))
+    def offload(self, channel: Channel, line: bytearray) -> None:
+        """(The loop's) Parse a long line on the parse thread (one past the budget is refused unparsed);
+        the loop reads that peer no more until it is back."""
+        self._loop.pause(channel)
+        over = self._budget.over(channel, len(line))
+        if over is not None:
+            self._parsed.put((channel, BadLine(over), len(line)))
+        else:
+            self._thread.submit(functools.partial(self._parse, channel, line))
 
     def ready(self) -> Iterator[tuple[Channel, dict[str, Any] | BadLine, int]]:
         return self._parsed.ready()
@@ -260,6 +256,41 @@ class _LongLines:
     def _parse(self, channel: Channel, line: bytearray) -> None:
         """On the parse thread: parse in the parser process and check the state."""
         self._parsed.put((channel, _CheckedState.parse(self.process, line), len(line)))
+
+
+class _Backlog:
+    """A recovery pass asks, before it judges a trainer gone, that every connection waiting in the listen
+    backlog be accepted (a trainer that connected before it died is then a peer): ``ask`` on the
+    recovery thread, ``answer`` on the loop's."""
+
+    def __init__(self, wake: int, listening: SocketPath, admit: Callable[[socket.socket], None]) -> None:
+        self._questions: _ToLoop[tuple[threading.Event, list[bool]]] = _ToLoop(wake)
+        self._listening, self._admit = listening, admit
+
+    def ask(self) -> bool:
+        """Wait (up to ``ACCEPT_WAIT``) until the loop accepted every waiting connection; False when it
+        could not (accepting paused or passed on, a flood) or did not answer."""
+        answered, emptied = threading.Event(), [False]
+        self._questions.put((answered, emptied))
+        return answered.wait(ACCEPT_WAIT) and emptied[0]
+
+    def answer(self) -> None:
+        for answered, emptied in self._questions.ready():
+            emptied[0] = self._empty()
+            answered.set()
+
+    def _empty(self) -> bool:
+        """Accept until the listen backlog is empty; False when it may not be."""
+        for _ in range(ACCEPT_ROUNDS):
+            if self._listening.paused_until is not None or self._listening.passed:
+                return False
+            taken = 0
+            for conn in self._listening.accepted():
+                taken += 1
+                self._admit(conn)
+            if taken < ACCEPT_BATCH:
+                return self._listening.paused_until is None and not self._listening.passed
+        return False
 
 
 class _GuardLocks:
@@ -600,12 +631,12 @@ class Guard:
         self._stop = threading.Event()
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_write, False)  # a full pipe wakes the loop already: a write never waits
-        self._long = _LongLines(self._wake_write)
+        self._long = _LongLines(self._wake_write, self.loop, self.budget)
         self._recorded: _ToLoop[Channel] = _ToLoop(self._wake_write)  # (the ledger thread's) a record names a lock
-        self._backlog: _ToLoop[_BacklogEmptied] = _ToLoop(self._wake_write)  # (the recovery thread's) questions
         self.max_peers = 0
         self.socket = SocketPath(path, self.loop, self._accept, self.say, self._lines.say,
                                  _serving)
+        self._backlog = _Backlog(self._wake_write, self.socket, self._admit)
         self.metrics = GuardMetrics(self.trainers, lambda: len(self.deaths.retrying)) if metrics else None
         self.deaths = DeathFlushes(flush_workers, connected=self.connected.tokens, lock_folder=self.locks.folder,
                                    release=self._settled, say=self.say, say_once=self._lines.say,
@@ -615,7 +646,7 @@ class Guard:
         self._recovery = None if ledger is None or records is None else LedgerRecovery(
             ledger, grace=takeover_grace, connected=self.connected.tokens, peer_pids=self.connected.pids,
             owns=lambda token: self.deaths.owns(token) or records.busy(token), stop=self._stop,
-            accept_waiting=self._accept_waiting,
+            accept_waiting=self._backlog.ask,
             http=self.deaths.http, say=self.say, say_once=self._lines.say, metrics=self.metrics)
 
     def bind(self) -> None:
@@ -637,27 +668,6 @@ class Guard:
     def _accept(self) -> None:
         for conn in self.socket.accepted():
             self._admit(conn)
-
-    def _accept_waiting(self) -> bool:
-        """(The recovery thread's) Have the loop accept every connection waiting in the listen backlog,
-        and wait for it: a trainer that connected before it died is then a peer. False when that could
-        not be done (accepting paused or passed on, a flood, no answer within ``ACCEPT_WAIT``)."""
-        question = _BacklogEmptied()
-        self._backlog.put(question)
-        return question.answered.wait(ACCEPT_WAIT) and question.emptied
-
-    def _empty_backlog(self) -> bool:
-        """(The loop's) Accept until the listen backlog is empty; False when it may not be."""
-        for _ in range(ACCEPT_ROUNDS):
-            if self.socket.paused_until is not None or self.socket.passed:
-                return False
-            taken = 0
-            for conn in self.socket.accepted():
-                taken += 1
-                self._admit(conn)
-            if taken < ACCEPT_BATCH:
-                return self.socket.paused_until is None and not self.socket.passed
-        return False
 
     def _admit(self, conn: socket.socket) -> None:
         try:
@@ -683,23 +693,13 @@ class Guard:
         channel = Channel(fd, fd, pid, trainer_uid=uid, strict=True, ledger=self.ledger, heartbeat=self.heartbeat,
                           check=functools.partial(self._checked, pid=pid, uid=uid, peer=peer), status=self._status,
                           ledger_io=self._records.submit if self._records is not None else None,
-                          locks=self.locks.named, armed=self.locks.give, offload=self._offload,
+                          locks=self.locks.named, armed=self.locks.give, offload=self._long.offload,
                           recorded=self._recorded.put, listener=self._pass_listener, unlocked=self.locks.let_go)
         channel.trainer_start = process_start_time(pid) if pid > 0 else None
         channel.status_only = status_only  # past the peer limit: a liveness probe (or a successor) is still served
         self.budget.admit(channel, peer)
         self.connected.pids[pid] += 1
         self.loop.add(channel)
-
-    def _offload(self, channel: Channel, line: bytearray) -> None:
-        """Parse a long line on the parse thread (one past the budget is refused unparsed); the loop
-        reads that peer no more until it is back."""
-        self.loop.pause(channel)
-        over = self.budget.over(channel, len(line))
-        if over is not None:
-            self._long.refuse(channel, over, len(line))
-        else:
-            self._long.submit(channel, line)
 
     def _pass_listener(self, channel: Channel) -> None:
         """A successor asks for the listening socket: passed once this guard is draining and the
@@ -784,9 +784,7 @@ class Guard:
         for channel in self._recorded.ready():
             if channel in self.loop.channels:
                 channel.tell(RECORDED)
-        for question in self._backlog.ready():
-            question.emptied = self._empty_backlog()
-            question.answered.set()
+        self._backlog.answer()
         if self._stop.is_set() and self._stopping_since is None:
             self._stopping_since = time.monotonic()
             self.socket.hand_over()  # a successor binds at once; until then new trainers arm here, and all
@@ -833,7 +831,7 @@ class Guard:
                 if time.monotonic() >= touched_at + self.heartbeat:
                     touched_at = time.monotonic()
                     self.locks.touch()
-                    self.socket.touch_lock()
+                    self.socket.lock.touch()
         finally:
             self.close()
 

@@ -7,8 +7,8 @@ times, not on threads) until its pairs are flushed, the record is no longer the 
 Every request goes out on the guard's shared HTTP workers, at most ``HTTP_WORKERS`` at once, with
 a short connect. Both are fair by server (``pool``): a server that did not answer its last flush
 runs one job at a time, all such servers at most half of the workers, and the deaths and requests
-of the others go around them. With a ledger, a thread recovers the records whose owners are gone, judged by their locks,
-and a predecessor's lockless ones after a grace.
+of the others go around them. With a ledger, a thread recovers the records whose owners are gone,
+judged by their locks, and a predecessor's lockless ones after a grace.
 """
 
 from __future__ import annotations
@@ -302,13 +302,13 @@ class LedgerRecovery:
                       "guarding goes on")
         options = FlushOptions(until_idle=True, linger=0.0)
         while not self._stop.is_set():
-            claimed: list[list[Record]] = []
+            claimed: list[Record] = []
             started = time.monotonic()
             try:
                 report = recover_with(self._ledger, None, os.environ, options, judge=self._judge,
-                                      on_claimed=claimed.append, quiet=True, workers=self._http)
-                if claimed and claimed[0]:
-                    self._said_recovered(claimed[0], report, started)
+                                      on_claimed=claimed.extend, quiet=True, workers=self._http)
+                if claimed:
+                    self._said_recovered(claimed, report, started)
                 elif report.error:
                     self._say_once("recover", f"recovering the ledger: {report.error}")
             except ConfigError as exc:

@@ -55,12 +55,36 @@ def check_folder(folder: str, say: Callable[[str], None]) -> None:
         os.close(fd)
 
 
-def take_lock(path: str, say: Callable[[str], None], say_once: Callable[[str, str], None]) -> int:
-    """``flock`` on ``path.lock`` for the guard's life; its descriptor.
+class PathLock:
+    """The path's lock (``flock`` on ``PATH.lock``): taken for the guard's life, kept fresh every
+    heartbeat (an age-based tmp cleaner never removes it, and lets a second guard take the path while
+    this one is stopped), let go when the guard drains or closes."""
 
-    Raises:
-        GuardError: another guard serves the path (it holds the lock), or the lock cannot be made.
-    """
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd: int | None = None
+
+    def take(self, say: Callable[[str], None], say_once: Callable[[str, str], None]) -> None:
+        """Take it, waiting out a draining guard's look at it for up to ``LOCK_TRIES`` x 10 ms.
+
+        Raises:
+            GuardError: another guard serves the path (it holds the lock), or the lock cannot be made.
+        """
+        self._fd = _take_lock(self.path, say, say_once)
+
+    def touch(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.utime(self._fd)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _take_lock(path: str, say: Callable[[str], None], say_once: Callable[[str, str], None]) -> int:
+    """``flock`` on ``path.lock``; its descriptor (see ``PathLock.take``)."""
     lock_path = path + ".lock"
     try:
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)

@@ -11,9 +11,9 @@ runs one job at a time, and all such servers together on at most half the worker
 fail. Connects are short (``CONNECT_TIMEOUT``), so a black-holed server's first flushes hold their
 workers for about a second, then wait in the heap. The thread count is fixed at start-up whatever
 number of trainers die, retry or misbehave; a waiting retry costs a heap entry, not a sleeping
-thread. A worker that cannot be started (a pids limit) is tried again when work comes, at most once a
-second; until one runs, the work waits. ``KeyedWorkers`` puts a Flusher's requests on such a
-pool (a ``Runner``, keyed by their server).
+thread. A worker that cannot be started (a pids limit) is tried again when work comes, at most
+once a second; until one runs, the work waits. ``KeyedWorkers`` puts a Flusher's requests on such
+a pool (a ``Runner``, keyed by their server).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from .._core.text import shown
 from .._process.watch_loop import WatchLoop
 from .._process.wire import LISTENER, MAX_SOCKET_PATH, receive_with_fds, send_with_fd
 from .._watchdog.guard_client import ImpostorError, connect_to_guard
-from .path_lock import GuardError, check_folder, lock_taken_by_another, take_lock
+from .path_lock import GuardError, PathLock, check_folder, lock_taken_by_another
 
 PATH_CHECK: Final = 2.0  # seconds between two checks that the socket path is still the guard's
 PAUSE: Final = 0.1  # seconds accepting pauses at EMFILE or when every peer holds a trainer
@@ -58,7 +58,7 @@ class SocketPath:
         self._served_by_guard = served_by_guard
         self._listener: socket.socket | None = None
         self._identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket file we bound
-        self._lock_fd: int | None = None
+        self.lock = PathLock(path)  # one guard per path
         self.passed = False  # the listening socket was passed to a successor: the path is its own now
         self.inherited = False  # this guard's listening socket was passed to it by a draining predecessor
         self.handed_over = False  # draining: the lock is let go, the socket answers until a successor binds
@@ -89,18 +89,11 @@ class SocketPath:
         Raises:
             GuardError: another guard serves the path, or it cannot be taken.
         """
-        self._lock_fd = take_lock(self.path, self._say, self._say_once)
+        self.lock.take(self._say, self._say_once)
         if self._inherit():
             return
         self._take_path()
         self._listen()
-
-    def touch_lock(self) -> None:
-        """Keep ``PATH.lock`` fresh (every heartbeat), so that an age-based tmp cleaner never removes it
-        and lets a second guard take the path while this one is stopped."""
-        if self._lock_fd is not None:
-            with contextlib.suppress(OSError):
-                os.utime(self._lock_fd)
 
     def accepted(self) -> Iterator[socket.socket]:
         """The connections waiting (a batch); at EMFILE and the like, accepting pauses for ``PAUSE``."""
@@ -167,9 +160,7 @@ class SocketPath:
         """Draining: let the path's lock go, so that a successor may take the path, and keep answering
         at it until one does (checked every ``PATH_CHECK`` seconds)."""
         self.handed_over = True
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        self.lock.release()
 
     def pass_listener(self, reply_fd: int) -> bool:
         """Draining: pass the listening socket over ``reply_fd`` to the successor that asked, once it
@@ -217,9 +208,7 @@ class SocketPath:
         if self._predecessor is not None:
             self._predecessor.close()
             self._predecessor = None
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        self.lock.release()
 
     def _listen(self) -> None:
         """Listen on a fresh socket (its file made 0600) at the path: bound beside it and renamed over
@@ -229,7 +218,7 @@ class SocketPath:
         listener = None
         if len(os.fsencode(beside)) <= MAX_SOCKET_PATH:
             with contextlib.suppress(OSError):
-                listener = self._bound(beside)
+                listener = _bound(beside)
                 try:
                     os.rename(beside, self.path)
                 except OSError:
@@ -247,7 +236,7 @@ class SocketPath:
                                  f"{exc.strerror or exc}; remove it as that user, or run the guard as that user") \
                     from None
             try:
-                listener = self._bound(self.path)
+                listener = _bound(self.path)
             except OSError as exc:
                 raise GuardError(f"cannot listen on {shown(self.path)}: {exc.strerror or exc}") from None
         try:
@@ -259,22 +248,6 @@ class SocketPath:
         listener.setblocking(False)
         self._listener = listener
         self._loop.watch(listener.fileno(), self._on_readable)
-
-    @staticmethod
-    def _bound(path: str) -> socket.socket:
-        """A socket bound at ``path`` (its file 0600: connecting needs write permission on it), listening."""
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        umask = os.umask(0o177)
-        try:
-            listener.bind(path)
-            os.chmod(path, 0o600)
-            listener.listen(128)
-        except OSError:
-            listener.close()
-            raise
-        finally:
-            os.umask(umask)
-        return listener
 
     def _take_path(self) -> None:
         try:
@@ -295,6 +268,22 @@ class SocketPath:
         if served_by:
             self._say_once("path squatted", f"replaced the socket at {shown(self.path)}{served_by}: this guard holds "
                                             "the path's lock")
+
+
+def _bound(path: str) -> socket.socket:
+    """A socket bound at ``path`` (its file 0600: connecting needs write permission on it), listening."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    umask = os.umask(0o177)
+    try:
+        listener.bind(path)
+        os.chmod(path, 0o600)
+        listener.listen(128)
+    except OSError:
+        listener.close()
+        raise
+    finally:
+        os.umask(umask)
+    return listener
 
 
 def _receive_listener(path: str) -> tuple[socket.socket, socket.socket, tuple[int, int]] | None:

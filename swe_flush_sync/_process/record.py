@@ -68,12 +68,10 @@ class Record:
     deadline: float | None = None  # seconds its keeper's flush takes at most (the trainer's ``deadline``)
     set_aside: str | None = None
 
-    def write(self, path: str, still_wanted: Callable[[], bool] = lambda: True,
-              commit: Callable[[Callable[[], None]], bool] | None = None) -> None:
-        """Write it to ``path`` atomically: a temporary file beside it, fsync, rename, fsync the folder;
-        not renamed (the temporary file removed) when ``still_wanted()`` says no after the fsync.
-        ``commit(rename)``, where given, renames (or not: False) under its keeper's lock, so that a
-        removal waits for a rename, never for an fsync on a slow volume."""
+    def write(self, path: str, commit: Callable[[Callable[[], None]], bool] | None = None) -> None:
+        """Write it to ``path`` atomically: a temporary file beside it, fsync, rename, fsync the folder.
+        ``commit(rename)``, where given, renames (or not: False, and the temporary file goes) under its
+        keeper's lock, so that a removal waits for a rename, never for an fsync on a slow volume."""
         fields = {"version": RECORD_VERSION, **dataclasses.asdict(self), **dataclasses.asdict(self.place)}
         del fields["place"], fields["set_aside"]
         folder = os.path.dirname(path) or "."
@@ -85,11 +83,11 @@ class Record:
         finally:
             os.close(fd)
         rename = functools.partial(os.replace, temporary, path)
-        if not still_wanted() or (commit is not None and not commit(rename)):  # (its keeper let it go meanwhile)
-            os.unlink(temporary)
-            return
         if commit is None:
             rename()
+        elif not commit(rename):  # its keeper let it go meanwhile
+            os.unlink(temporary)
+            return
         with contextlib.suppress(OSError):
             dir_fd = os.open(folder, os.O_RDONLY)
             try:
