@@ -279,7 +279,9 @@ class AgentServerStub:
             return self._recancels
 
     def flushed_ids(self) -> list[str]:
-        """Ids of the requests answered 2xx, in order (an id flushed twice appears twice)."""
+        """Ids of the requests answered 2xx, in order (an id flushed twice appears twice). A request is
+        recorded as its answer is sent, before the client has read it: stop the stub only once the
+        client is done, or its last answers may be cut off."""
         return [r.instance_id for r in self.requests if r.instance_id and r.status and 200 <= r.status < 300]
 
     def clear_requests(self) -> None:
