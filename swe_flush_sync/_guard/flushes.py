@@ -343,20 +343,24 @@ class LedgerRecovery:
             self._left.discard(pid)
             os.eventfd_write(self._wake, 1)
 
-    def _watch(self, record: Record) -> None:
-        """Hold a pidfd of the record's trainer while it is the live process the record names, here."""
+    def _watch(self, record: Record) -> bool:
+        """Hold a pidfd of the record's trainer while it is the live process the record names, here.
+        False when that process has ended since the record was judged (its exit watched by nobody)."""
         key = (record.pid, record.start_time or 0)
         if (key in self._watched or len(self._watched) >= MAX_WATCHED_PIDS or record.start_time is None
                 or record.place != Place.here()):
-            return
+            return True
         try:
             fd = os.pidfd_open(record.pid)
-        except (OSError, AttributeError):  # gone already, or no pidfd (Linux < 5.3): the next pass
-            return
-        if process_start_time(record.pid) != record.start_time:  # checked once the pidfd holds it: not reused
+        except ProcessLookupError:  # reaped already
+            return False
+        except (OSError, AttributeError):  # no pidfd (Linux < 5.3), no descriptor left: the next pass
+            return True
+        if process_start_time(record.pid) != record.start_time:  # checked once the pidfd holds it: a zombie, reused
             os.close(fd)
-            return
+            return False
         self._watched[key] = fd
+        return True
 
     def _said_recovered(self, records: list[Record], report: FlushReport, started: float) -> None:
         """A recover pass that claimed records: a line like a trainer's death (naming up to 4 of them),
@@ -400,7 +404,8 @@ class LedgerRecovery:
         whose trainer has not reconnected within the grace is gone, whatever its heartbeat says."""
         if gone:
             return True
-        self._watch(record)
+        if not self._watch(record) and record.owner_gone(Place.here(), time.time()):
+            return True  # its trainer ended since it was judged: judged again (else a pass later)
         guard_lock, trainer_lock = record.locks()
         if trainer_lock is not None:  # held (alive), or proving nothing: its pids and heartbeat decided ``gone``
             if trainer_lock.path not in self._unproven and is_held(trainer_lock) is None:

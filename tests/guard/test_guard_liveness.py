@@ -202,6 +202,69 @@ def test_a_frozen_trainer_whose_lock_files_went_is_not_flushed_across_a_restart(
     assert "is gone or replaced: it proves nothing" in second.communicate(timeout=15)[1]  # said, once
 
 
+ONE_PASS_AS_THE_TRAINER_ENDS = """
+import json, os, subprocess, sys, threading, time
+from swe_flush_sync._core.options import FlushOptions
+from swe_flush_sync._guard.daemon import Guard
+from swe_flush_sync._process.proc import Place, process_start_time
+from swe_flush_sync._process.record import RECORD_SUFFIX
+from swe_flush_sync._recover import recover_with
+
+path, ledger, url, reaped = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "reaped"
+guard = Guard(path, ledger=ledger)
+guard.bind()
+trainer = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                           stdin=subprocess.PIPE)  # (it ends with this script, however that ends)
+place = Place.here()
+record = {"version": 1, "urls": [url], "ids": ["ended-1"], "host": place.host, "boot_id": place.boot_id,
+          "pid_ns": place.pid_ns, "pid": trainer.pid, "start_time": process_start_time(trainer.pid),
+          "watchdog_pid": 0, "heartbeat": time.time(), "heartbeat_interval": 1.0}  # no lock: its pids decide
+with open(os.open(os.path.join(ledger, "ended" + RECORD_SUFFIX), os.O_WRONLY | os.O_CREAT, 0o600), "w") as out:
+    json.dump(record, out)
+claimed = []
+
+def judge(record, gone):
+    trainer.kill()  # the pass saw its pids alive (``gone`` False); it ends before the guard's judge looks
+    if reaped:
+        trainer.wait()
+    else:  # a zombie nobody has reaped yet
+        while process_start_time(trainer.pid) is not None:
+            time.sleep(0.005)
+    return not gone and guard._recovery._judge(record, gone)
+
+options = FlushOptions(until_idle=True, linger=0.0)
+recovery = threading.Thread(target=recover_with, args=(ledger, None, os.environ, options),
+                            kwargs={"judge": judge, "on_claimed": claimed.append, "quiet": True,
+                                    "workers": guard.deaths.http})
+recovery.start()  # one recovery pass
+while recovery.is_alive():
+    guard.loop.run_once(0.05)
+print("CLAIMED", sum(map(len, claimed)), flush=True)
+trainer.kill()
+trainer.wait()
+guard.close()
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("end", ["reaped", "a zombie"])
+def test_a_trainer_that_ends_as_a_pass_judges_it_is_flushed_by_that_pass(stub: AgentServerStub, short_dir: Path,
+                                                                         end: str) -> None:
+    """A pass saw the record's trainer alive, and it ended before the guard's judge held a pidfd of it:
+    ``pidfd_open`` found it reaped (or the start time a zombie's), nothing watched its exit, and the
+    flush waited for the next pass, 2 s (CI, 3.15: the frozen trainer above flushed 2.0 s after its death).
+    The judge now looks at such a trainer again, and the pass that saw it alive flushes it."""
+    path, ledger = short_dir / "guard.sock", short_dir / "ledger"
+    ledger.mkdir(mode=0o700)
+    out = subprocess.run([PYTHON, "-c", ONE_PASS_AS_THE_TRAINER_ENDS, str(path), str(ledger), stub.url, end],
+                         capture_output=True, text=True, timeout=30,
+                         env={**subprocess_env(), "AGENT_SERVER_URL": stub.url, "HARBOR_ADMIN_SECRET": SECRET})
+    assert out.returncode == 0, out.stderr
+    assert "CLAIMED 1" in out.stdout, out.stdout + out.stderr
+    assert stub.flushed_ids() == ["ended-1"]
+    assert records(ledger) == []
+
+
 def test_a_same_uid_peer_cannot_take_another_trainers_place(stub: AgentServerStub, short_dir: Path) -> None:
     """1.1 named records and lock files by the trainer's token: a same-uid peer that read a name connected with
     it, and the victim's death was never flushed (3/3). The guard keeps and writes only the token's digest."""
