@@ -116,8 +116,10 @@ def test_the_listening_socket_passes_to_the_successor(stub: AgentServerStub, sho
             assert int(trainer.read("PID")[1]) == successor.pid  # armed with the successor
         assert failures == []
         assert os.lstat(path).st_ino == socket_file  # the same socket: never unlinked, never bound again
-        assert "passed the listening socket" in first.communicate(timeout=10)[1]
-        assert stub.requests == []
+        said = first.communicate(timeout=10)[1]
+        assert "passed the listening socket" in said
+        assert stub.requests == [], f"the live trainer was flushed; the first guard said:\n{said}\nthe successor:\n" + \
+            _end(successor)[0]  # (1 in 8 runs of make test TEST_WORKERS=4 at load 6: not understood yet)
         trainer.proc.kill()
         assert wait_until(lambda: stub.flushed_ids() == ["kept"], 10.0), stub.flushed_ids()
     finally:
